@@ -1,0 +1,41 @@
+"""fsync: gradient synchronisation for data-parallel PyTorch as a pure function over a pytree.
+
+>>> grads = fsync.sync_grads(grads)  # doctest: +SKIP
+"""
+
+from fsync import ops
+from fsync._broadcast import broadcast, sync_buffers
+from fsync._hook import Hook, SyncContext, chain
+from fsync._pack import pack, unpack
+from fsync._plan import (
+    BucketPlan,
+    BucketSpec,
+    LeafSpec,
+    compute_bucket_assignment_by_size,
+    plan_buckets,
+)
+from fsync._sync import GradSync, SyncState, sync_grads
+from fsync._verify import verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BucketPlan",
+    "BucketSpec",
+    "GradSync",
+    "Hook",
+    "LeafSpec",
+    "SyncContext",
+    "SyncState",
+    "__version__",
+    "broadcast",
+    "chain",
+    "compute_bucket_assignment_by_size",
+    "ops",
+    "pack",
+    "plan_buckets",
+    "sync_buffers",
+    "sync_grads",
+    "unpack",
+    "verify",
+]

@@ -1,0 +1,159 @@
+"""The only module of fsync that talks to ``torch.distributed``.
+
+Collectives go through ``torch.distributed._functional_collectives``, which run
+eagerly (returning tensors that wait on first use) and trace under
+``torch.compile`` into c10d functional ops the compiler can schedule. A group
+is a ``ProcessGroup``, a 1-D ``DeviceMesh``, a ``(DeviceMesh, dim)`` pair or
+``None`` for the default group. With one rank no collective is issued.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+Group = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | None
+
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+# torch >= 2.13 deprecates all_gather_tensor/reduce_scatter_tensor in favour of the
+# *_single names; older releases only have the former.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+_NOT_INITIALISED = (
+    "torch.distributed is not initialised. Call torch.distributed.init_process_group() "
+    "first (torchrun sets the environment it reads), or pass group= explicitly."
+)
+
+
+def check_group(group: Group) -> None:
+    """Raises ``TypeError``/``RuntimeError`` unless ``group`` names a usable group."""
+    if isinstance(group, tuple):
+        if (
+            len(group) != 2
+            or not isinstance(group[0], DeviceMesh)
+            or isinstance(group[1], bool)
+            or not isinstance(group[1], int)
+        ):
+            raise TypeError(f"group tuple must be (DeviceMesh, mesh_dim); got {group!r}.")
+        if not 0 <= group[1] < group[0].ndim:
+            raise ValueError(
+                f"mesh dim {group[1]} is out of range for a {group[0].ndim}-D DeviceMesh."
+            )
+        return
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"a {group.ndim}-D DeviceMesh needs a dim: pass group=(mesh, dim) with the "
+                "data-parallel dimension."
+            )
+        return
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group is a {type(group).__name__}; expected a torch.distributed.ProcessGroup, a "
+            "DeviceMesh, a (DeviceMesh, dim) pair or None for the default group."
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(_NOT_INITIALISED)
+
+
+def _funcol_group(group: Group) -> Any:
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, DeviceMesh):
+        return (group, 0)
+    return group
+
+
+def size(group: Group) -> int:
+    """Number of ranks in ``group``."""
+    if isinstance(group, tuple):
+        return group[0].size(group[1])
+    if isinstance(group, DeviceMesh):
+        return group.size(0)
+    return dist.get_world_size(group)
+
+
+def rank(group: Group) -> int:
+    """This process's rank within ``group``."""
+    if isinstance(group, tuple):
+        return group[0].get_local_rank(group[1])
+    if isinstance(group, DeviceMesh):
+        return group.get_local_rank(0)
+    return dist.get_rank(group)
+
+
+def process_group(group: Group) -> dist.ProcessGroup:
+    """The ``ProcessGroup`` behind ``group``."""
+    if isinstance(group, tuple):
+        return group[0].get_group(group[1])
+    if isinstance(group, DeviceMesh):
+        return group.get_group(0)
+    return group if group is not None else dist.group.WORLD  # type: ignore[return-value]
+
+
+def all_reduce(x: torch.Tensor, op: str, group: Group) -> torch.Tensor:
+    """Reduces ``x`` over ``group`` with ``op``, one of :data:`REDUCE_OPS`."""
+    if size(group) == 1:
+        return x
+    return funcol.all_reduce(x, op, _funcol_group(group))
+
+
+def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along dim 0, in rank order."""
+    if size(group) == 1:
+        return x
+    return _all_gather(x, 0, _funcol_group(group))
+
+
+def reduce_scatter(x: torch.Tensor, op: str, group: Group) -> torch.Tensor:
+    """Reduces ``x`` over ``group`` and returns this rank's chunk of dim 0."""
+    if size(group) == 1:
+        return x
+    return _reduce_scatter(x, op, 0, _funcol_group(group))
+
+
+def broadcast(x: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+    """Rank ``src``'s ``x`` (``src`` counted within ``group``)."""
+    if size(group) == 1:
+        return x
+    return funcol.broadcast(x, src, _funcol_group(group))
+
+
+def wait(x: torch.Tensor) -> torch.Tensor:
+    """Waits for a collective's result and returns it as a plain tensor."""
+    if isinstance(x, funcol.AsyncCollectiveTensor):
+        return x.wait()
+    return x
+
+
+def all_gather_object(obj: Any, group: Group, device: torch.device) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (eager only; for checks, not data).
+
+    Two fixed-size collectives (lengths, then padded bytes), so ranks that
+    disagree on the object's size still meet in the same collectives.
+    """
+    n = size(group)
+    if n == 1:
+        return [obj]
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    lengths = wait(all_gather(length, group)).tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    gathered = wait(all_gather(padded, group)).view(n, -1).cpu()
+    return [pickle.loads(gathered[r, : lengths[r]].numpy().tobytes()) for r in range(n)]
+
+
+def default_device(group: Group) -> torch.device:
+    """Where small control tensors for ``group`` live (CPU for gloo, the GPU for NCCL)."""
+    backend = str(dist.get_backend(process_group(group)))
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())

@@ -1,0 +1,132 @@
+"""Hooks: what happens to the buckets between pack and unpack.
+
+A :class:`Hook` is a pair of pure functions, like an optax
+``GradientTransformation``. Settings go to the factory that builds it
+(``fsync.ops.allreduce("sum")``), tensors go to its state, and the state is
+threaded through explicitly, so it can be checkpointed and traced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from fsync._comm import Group
+from fsync._plan import BucketPlan, BucketSpec
+
+
+class SyncContext(NamedTuple):
+    """What a hook may know besides its buckets and state.
+
+    Attributes:
+        plan: The bucket plan of the tree being synced.
+        buckets: One :class:`BucketSpec` per dense buffer the hook receives, in
+            the same order (sparse buckets are reduced by fsync itself and never
+            reach a hook).
+        group: The group to communicate over; pass it to the collectives.
+        rank: This process's rank within ``group``.
+        world_size: Number of ranks in ``group``.
+        divisor: What a mean divides by: ``world_size`` (an int), or, when
+            ranks without data join a sync, the number of contributing ranks
+            (a 0-d tensor). Use :meth:`divide` rather than reading it.
+    """
+
+    plan: BucketPlan
+    buckets: tuple[BucketSpec, ...]
+    group: Group
+    rank: int
+    world_size: int
+    divisor: int | torch.Tensor
+
+    def divide(self, x: torch.Tensor) -> torch.Tensor:
+        """``x / divisor``, computed as DDP does: ``x * (1 / divisor)``.
+
+        With an int divisor the factor is a Python float, which torch rounds
+        to ``x``'s dtype once, exactly as DDP's ``mul_out(grad, 1 / world_size)``.
+        """
+        if isinstance(self.divisor, torch.Tensor):
+            # The factor in at least float32, as torch's kernels hold a Python scalar.
+            compute = torch.promote_types(x.dtype, torch.float32)
+            factor = (1.0 / self.divisor.to(torch.float64)).to(compute)
+            return (x * factor).to(x.dtype)
+        if self.divisor == 1:
+            return x
+        return x * (1.0 / self.divisor)
+
+
+Buckets = Sequence[torch.Tensor]
+InitFn = Callable[[BucketPlan], Any]
+ApplyFn = Callable[[Buckets, Any, SyncContext], tuple[Buckets, Any]]
+
+
+class Hook(NamedTuple):
+    """A bucket transformation: ``init(plan) -> state`` and ``apply(buckets, state, ctx)``.
+
+    ``apply`` receives one flat 1-D tensor per dense bucket (see
+    :attr:`SyncContext.buckets`) and returns as many tensors of the same sizes
+    and dtypes, plus its new state. It must not modify its inputs in place.
+    ``init`` returns the initial state: a pytree of tensors, ``()`` when the
+    hook keeps none.
+
+    Example:
+        >>> import fsync
+        >>> def clip_apply(buckets, state, ctx):
+        ...     return [b.clamp(-1.0, 1.0) for b in buckets], state
+        >>> clip = fsync.Hook(init=lambda plan: (), apply=clip_apply)
+        >>> hook = fsync.chain(clip, fsync.ops.allreduce())
+    """
+
+    init: InitFn
+    apply: ApplyFn
+
+
+def check_hook(hook: Any, /) -> Hook:
+    """Returns ``hook`` if it looks like a :class:`Hook`, else raises ``TypeError``."""
+    if not (callable(getattr(hook, "init", None)) and callable(getattr(hook, "apply", None))):
+        raise TypeError(
+            f"hook is a {type(hook).__name__}; expected an fsync.Hook(init, apply), such as "
+            "fsync.ops.allreduce()."
+        )
+    return hook
+
+
+def chain(*hooks: Hook) -> Hook:
+    """Composes hooks: the buckets go through each in turn, each with its own state.
+
+    The state of the chain is a tuple with one entry per hook.
+
+    Args:
+        *hooks: The hooks, applied first to last.
+
+    Returns:
+        A :class:`Hook`.
+
+    Example:
+        >>> import fsync
+        >>> hook = fsync.chain(fsync.ops.allreduce("sum"), fsync.ops.allreduce("sum"))
+        >>> hook.init(None)
+        ((), ())
+    """
+    for hook in hooks:
+        check_hook(hook)
+
+    def init(plan: BucketPlan) -> tuple[Any, ...]:
+        return tuple(hook.init(plan) for hook in hooks)
+
+    def apply(
+        buckets: Buckets, state: tuple[Any, ...], ctx: SyncContext
+    ) -> tuple[Buckets, tuple[Any, ...]]:
+        if not isinstance(state, tuple) or len(state) != len(hooks):
+            raise ValueError(
+                f"chain of {len(hooks)} hooks got a state of {type(state).__name__}; expected "
+                "the tuple its init returned."
+            )
+        new_state = []
+        for hook, hook_state in zip(hooks, state, strict=True):
+            buckets, hook_state = hook.apply(buckets, hook_state, ctx)
+            new_state.append(hook_state)
+        return buckets, tuple(new_state)
+
+    return Hook(init, apply)

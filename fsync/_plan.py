@@ -1,0 +1,494 @@
+"""The bucket plan: which leaves travel together, in which order, at which offsets.
+
+A plan is a pure value computed from leaf metadata (shape, dtype, device,
+memory layout, sparsity) and two size limits. It never looks at tensor values
+and never talks to a process group, so every rank that holds the same tree
+computes the same plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
+
+import optree
+import torch
+
+from fsync import _tree
+
+MiB = 1024 * 1024
+
+Order = Literal["reverse", "forward"] | Sequence[int]
+
+
+class LeafSpec(NamedTuple):
+    """Metadata of one leaf: everything the plan needs, nothing about values.
+
+    ``perm`` is the leaf's memory layout as a dimension order, outermost first:
+    ``tensor.permute(perm)`` is contiguous. ``(0, 1, 2, 3)`` is a contiguous
+    NCHW tensor, ``(0, 2, 3, 1)`` a channels_last one. Buckets store leaves in
+    this order, so a leaf comes back from :func:`fsync.unpack` with the layout
+    it went in with, as DDP's bucket views keep the parameter's strides.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    perm: tuple[int, ...]
+    sparse: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def layout(self) -> str:
+        """The memory layout in words: ``contiguous``, ``channels_last`` ..."""
+        if self.sparse:
+            return "sparse"
+        order = tuple(d for d in self.perm if self.shape[d] != 1)
+        if order == tuple(sorted(order)):
+            return "contiguous"
+        if len(self.shape) == 4 and order == tuple(d for d in (0, 2, 3, 1) if self.shape[d] != 1):
+            return "channels_last"
+        if len(self.shape) == 5 and order == tuple(
+            d for d in (0, 2, 3, 4, 1) if self.shape[d] != 1
+        ):
+            return "channels_last_3d"
+        return f"dim order {self.perm}"
+
+    def describe(self) -> str:
+        """``shape (4, 3), dtype torch.float32, contiguous`` (device index left out)."""
+        return (
+            f"shape {tuple(self.shape)}, dtype {self.dtype}, device {self.device.type}, "
+            f"{self.layout}"
+        )
+
+
+class BucketSpec(NamedTuple):
+    """Metadata of one bucket, in the order its leaves sit in the flat buffer."""
+
+    leaves: tuple[int, ...]
+    """Leaf indices (positions in the flattened tree), in buffer order."""
+    offsets: tuple[int, ...]
+    """Element offset of each leaf in the buffer."""
+    sizes: tuple[int, ...]
+    """Number of elements of each leaf."""
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    sparse: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def leaf_spec(path: str, tensor: torch.Tensor, /) -> LeafSpec:
+    """The :class:`LeafSpec` of ``tensor`` found at ``path``."""
+    if tensor.layout == torch.sparse_coo:
+        return LeafSpec(path, tuple(tensor.shape), tensor.dtype, tensor.device, (), True)
+    if tensor.layout != torch.strided:
+        raise TypeError(
+            f"leaf {path!r} has layout {tensor.layout}; fsync handles dense (strided) and "
+            "sparse COO tensors. Convert it with .to_dense() or .to_sparse()."
+        )
+    strides = tensor.stride()
+    # Outermost dimension first; ties (size-1 or broadcast dimensions) keep their
+    # order, which leaves the element order unchanged.
+    perm = tuple(sorted(range(tensor.dim()), key=lambda d: (-strides[d], d)))
+    return LeafSpec(path, tuple(tensor.shape), tensor.dtype, tensor.device, perm, False)
+
+
+def _check_limits(size_limits: Sequence[int]) -> tuple[int, ...]:
+    limits = tuple(size_limits)
+    if not limits:
+        raise ValueError("size_limits is empty; expected at least one bucket size in bytes.")
+    for limit in limits:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(
+                f"size_limits must hold non-negative integers (bytes); got {limit!r} "
+                f"in {list(limits)!r}."
+            )
+    return limits
+
+
+def _assign(
+    keys: Sequence[Any], nbytes: Sequence[int], sparse: Sequence[bool], limits: Sequence[int]
+) -> list[tuple[int, ...]]:
+    """DDP's greedy assignment over items given as (key, bytes, sparse) columns.
+
+    Items accumulate per key (dtype, device); a bucket closes as soon as its
+    bytes reach the key's current limit, and each key then moves on to the next
+    limit, staying on the last one. Sparse items get a bucket each. Buckets are
+    returned sorted by their smallest index.
+    """
+    closed: list[tuple[int, ...]] = []
+    open_buckets: dict[Any, list[int]] = {}
+    open_bytes: dict[Any, int] = {}
+    limit_index: dict[Any, int] = {}
+    for i, key in enumerate(keys):
+        if sparse[i]:
+            closed.append((i,))
+            continue
+        open_buckets.setdefault(key, []).append(i)
+        open_bytes[key] = open_bytes.get(key, 0) + nbytes[i]
+        position = limit_index.setdefault(key, 0)
+        if open_bytes[key] >= limits[position]:
+            closed.append(tuple(open_buckets.pop(key)))
+            open_bytes[key] = 0
+            limit_index[key] = min(position + 1, len(limits) - 1)
+    closed.extend(tuple(indices) for indices in open_buckets.values())
+    # Indices within a bucket increase, so its first one is its smallest.
+    return sorted(closed, key=lambda bucket: bucket[0])
+
+
+def compute_bucket_assignment_by_size(
+    tensors: Sequence[torch.Tensor], size_limits: Sequence[int], /
+) -> list[list[int]]:
+    """Assigns tensors to buckets exactly as DDP's Reducer does.
+
+    Tensors are taken in the given order and accumulate per (dtype, device); a
+    bucket closes once its bytes reach the current size limit, after which that
+    (dtype, device) moves on to the next limit (staying on the last one). Sparse
+    tensors get a bucket of their own. Buckets come back sorted by the smallest
+    index they hold. For dense tensors the result equals
+    ``torch.distributed._compute_bucket_assignment_by_size(tensors, size_limits)[0]``.
+
+    Args:
+        tensors: The tensors to assign; only their metadata is read.
+        size_limits: Bucket size limits in bytes, used in turn per (dtype, device).
+
+    Returns:
+        A list of buckets, each a list of indices into ``tensors``. An empty
+        input gives an empty list.
+
+    Raises:
+        TypeError: An element of ``tensors`` is not a tensor.
+        ValueError: ``size_limits`` is empty or holds a negative or non-integer value.
+
+    Example:
+        >>> import torch, fsync
+        >>> tensors = [torch.zeros(100), torch.zeros(100, dtype=torch.float64), torch.zeros(300)]
+        >>> fsync.compute_bucket_assignment_by_size(tensors, [400, 1000])
+        [[0], [1, 2]]
+    """
+    limits = _check_limits(size_limits)
+    for i, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensors[{i}] is a {type(tensor).__name__}; expected a torch.Tensor.")
+    buckets = _assign(
+        [(t.dtype, t.device) for t in tensors],
+        [t.numel() * t.element_size() for t in tensors],
+        [t.layout == torch.sparse_coo for t in tensors],
+        limits,
+    )
+    return [list(bucket) for bucket in buckets]
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    """Which leaves of a tree go into which flat bucket, in communication order.
+
+    Build one with :func:`plan_buckets`. A plan is a frozen value: hashable,
+    comparable, and the same on every rank that holds the same tree (the device
+    index aside, which :attr:`fingerprint` ignores). ``print(plan)`` shows a table.
+
+    Attributes:
+        treespec: The structure of the tree, ``None`` leaves included.
+        leaves: One :class:`LeafSpec` per leaf in flatten order, ``None`` for a
+            ``None`` leaf (which belongs to no bucket).
+        buckets: Per bucket, in communication order, the indices of its leaves
+            in the order they sit in the buffer.
+    """
+
+    treespec: optree.PyTreeSpec
+    leaves: tuple[LeafSpec | None, ...]
+    buckets: tuple[tuple[int, ...], ...]
+    specs: tuple[BucketSpec, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    skeleton: Any = dataclasses.field(init=False, repr=False, compare=False)
+    """The tree with each leaf replaced by its index; see :meth:`structure`."""
+
+    def __post_init__(self) -> None:
+        if self.treespec.num_leaves != len(self.leaves):
+            raise ValueError(
+                f"the tree has {self.treespec.num_leaves} leaves but {len(self.leaves)} leaf specs "
+                "were given."
+            )
+        seen: set[int] = set()
+        specs = []
+        for b, indices in enumerate(self.buckets):
+            if not indices:
+                raise ValueError(f"bucket {b} is empty.")
+            for i in indices:
+                if not 0 <= i < len(self.leaves) or self.leaves[i] is None:
+                    raise ValueError(f"bucket {b} names leaf {i}, which is not a tensor leaf.")
+                if i in seen:
+                    raise ValueError(f"leaf {i} is in more than one bucket.")
+                seen.add(i)
+            specs.append(self._bucket_spec(b, indices))
+        missing = [i for i, leaf in enumerate(self.leaves) if leaf is not None and i not in seen]
+        if missing:
+            raise ValueError(f"leaves {missing} are in no bucket.")
+        object.__setattr__(self, "specs", tuple(specs))
+        object.__setattr__(
+            self, "skeleton", _tree.unflatten(self.treespec, range(len(self.leaves)))
+        )
+
+    def structure(self) -> optree.PyTreeSpec:
+        """The tree structure, in a form the running code can use.
+
+        Inside ``torch.compile``, dynamo replaces optree's C++ ``PyTreeSpec``
+        with a Python one and cannot use a C++ spec made outside the trace; the
+        structure is then rebuilt from :attr:`skeleton`, a constant it can flatten.
+        """
+        if torch.compiler.is_compiling():
+            return _tree.structure(self.skeleton)
+        return self.treespec
+
+    def _bucket_spec(self, b: int, indices: tuple[int, ...]) -> BucketSpec:
+        leaves = [self.leaves[i] for i in indices]
+        first = leaves[0]
+        assert first is not None
+        for leaf in leaves:
+            assert leaf is not None
+            if (leaf.dtype, leaf.device) != (first.dtype, first.device):
+                raise ValueError(
+                    f"bucket {b} mixes {first.dtype} on {first.device} ({first.path!r}) with "
+                    f"{leaf.dtype} on {leaf.device} ({leaf.path!r}); a bucket holds one dtype "
+                    "on one device."
+                )
+        if first.sparse and len(indices) > 1:
+            raise ValueError(f"bucket {b} holds a sparse leaf with others; sparse leaves go alone.")
+        sizes = tuple(leaf.numel for leaf in leaves)  # type: ignore[union-attr]
+        offsets = tuple(sum(sizes[:k]) for k in range(len(sizes)))
+        return BucketSpec(
+            indices, offsets, sizes, sum(sizes), first.dtype, first.device, first.sparse
+        )
+
+    @property
+    def nbytes(self) -> tuple[int, ...]:
+        """Bytes per bucket, in communication order."""
+        return tuple(spec.nbytes for spec in self.specs)
+
+    @property
+    def num_leaves(self) -> int:
+        return len(self.leaves)
+
+    @functools.cached_property
+    def fingerprint(self) -> int:
+        """A 63-bit digest of the plan, equal on ranks whose plans can talk to each other.
+
+        It covers the tree structure, every leaf's path, shape, dtype, device type
+        and layout, and the bucket assignment; it leaves out the device index, so
+        ``cuda:0`` on one rank and ``cuda:1`` on another agree.
+        """
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(repr(self.treespec).encode())
+        for leaf in self.leaves:
+            digest.update(b"\0" + (b"-" if leaf is None else leaf_key(leaf).encode()))
+        digest.update(repr(self.buckets).encode())
+        return int.from_bytes(digest.digest(), "big") >> 1
+
+    def __repr__(self) -> str:
+        return (
+            f"BucketPlan({len(self.leaves)} leaves, {len(self.buckets)} buckets, "
+            f"{sum(self.nbytes) / MiB:.2f} MiB, fingerprint={self.fingerprint:#018x})"
+        )
+
+    def __str__(self) -> str:
+        rows = [("bucket", "leaves", "dtype", "device", "MiB", "first leaf .. last leaf")]
+        for b, spec in enumerate(self.specs):
+            first, last = self.leaves[spec.leaves[0]], self.leaves[spec.leaves[-1]]
+            assert first is not None and last is not None
+            span = first.path if first is last else f"{first.path} .. {last.path}"
+            kind = " (sparse)" if spec.sparse else ""
+            rows.append(
+                (
+                    str(b),
+                    str(len(spec.leaves)),
+                    str(spec.dtype).removeprefix("torch.") + kind,
+                    str(spec.device),
+                    f"{spec.nbytes / MiB:.3f}",
+                    span,
+                )
+            )
+        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+        right = {0, 1, 4}
+        lines = [
+            f"BucketPlan: {sum(len(b) for b in self.buckets)} tensor leaves in "
+            f"{len(self.buckets)} buckets, {sum(self.nbytes) / MiB:.3f} MiB"
+        ]
+        for row in rows:
+            cells = [
+                cell.rjust(widths[c]) if c in right else cell.ljust(widths[c])
+                for c, cell in enumerate(row)
+            ]
+            lines.append("  ".join(cells).rstrip())
+        return "\n".join(lines)
+
+
+def leaf_key(leaf: LeafSpec, /) -> str:
+    """What must agree about a leaf across ranks for their buckets to line up."""
+    order = tuple(d for d in leaf.perm if leaf.shape[d] != 1)
+    return f"{leaf.path}|{leaf.shape}|{leaf.dtype}|{leaf.device.type}|{order}|{leaf.sparse}"
+
+
+def check_bucket_options(bucket_cap_mb: float, first_bucket_mb: float) -> None:
+    """Raises ``ValueError`` unless both sizes are finite and positive (first may be 0)."""
+    for name, value, low in (
+        ("bucket_cap_mb", bucket_cap_mb, 0.0),
+        ("first_bucket_mb", first_bucket_mb, -1.0),
+    ):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value <= low
+        ):
+            bound = "positive" if low == 0.0 else "non-negative"
+            raise ValueError(f"{name} must be a finite {bound} number of MiB; got {value!r}.")
+
+
+def _order(order: Order, tensor_leaves: list[int], n: int) -> list[int]:
+    if isinstance(order, str):
+        if order == "reverse":
+            return tensor_leaves[::-1]
+        if order == "forward":
+            return tensor_leaves
+        raise ValueError(
+            f"order must be 'reverse', 'forward' or a sequence of leaf indices; got {order!r}."
+        )
+    indices = list(order)
+    if any(isinstance(i, bool) or not isinstance(i, int) for i in indices) or sorted(
+        indices
+    ) != sorted(tensor_leaves):
+        raise ValueError(
+            f"order must list each of the tree's {len(tensor_leaves)} tensor leaves exactly once "
+            f"(indices into the {n} flattened leaves, None leaves left out); got {indices!r}."
+        )
+    return indices
+
+
+def plan_from_specs(
+    treespec: optree.PyTreeSpec,
+    leaves: Sequence[LeafSpec | None],
+    /,
+    *,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    order: Order = "reverse",
+) -> BucketPlan:
+    """:func:`plan_buckets` over leaf specs already taken from a tree."""
+    check_bucket_options(bucket_cap_mb, first_bucket_mb)
+    tensor_leaves = [i for i, leaf in enumerate(leaves) if leaf is not None]
+    sequence = _order(order, tensor_leaves, len(leaves))
+    specs = [leaves[i] for i in sequence]
+    limits = [int(first_bucket_mb * MiB), int(bucket_cap_mb * MiB)]
+    assigned = _assign(
+        [(s.dtype, s.device) for s in specs],  # type: ignore[union-attr]
+        [s.nbytes for s in specs],  # type: ignore[union-attr]
+        [s.sparse for s in specs],  # type: ignore[union-attr]
+        limits,
+    )
+    buckets = tuple(tuple(sequence[k] for k in bucket) for bucket in assigned)
+    return BucketPlan(treespec, tuple(leaves), buckets)
+
+
+def leaf_specs(
+    tree: Any, /, what: str = "tree"
+) -> tuple[optree.PyTreeSpec, list[Any], list[LeafSpec | None]]:
+    """Flattens ``tree`` into (structure, leaves, leaf specs), rejecting non-tensor leaves."""
+    paths, leaves, treespec = _tree.flatten_with_paths(tree)
+    specs: list[LeafSpec | None] = []
+    for path, leaf in zip(paths, leaves, strict=True):
+        if leaf is None:
+            specs.append(None)
+        elif isinstance(leaf, torch.Tensor):
+            specs.append(leaf_spec(path, leaf))
+        else:
+            raise TypeError(
+                f"{what} leaf {path!r} is a {type(leaf).__name__}; expected a torch.Tensor or "
+                "None. Keep only tensors in the tree (move settings and Python numbers out of it)."
+            )
+    return treespec, leaves, specs
+
+
+def plan_buckets(
+    tree: Any,
+    /,
+    *,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    order: Order = "reverse",
+) -> BucketPlan:
+    """Plans the buckets for a tree of tensors, as DDP's Reducer would.
+
+    Leaves are taken in ``order`` and assigned with
+    :func:`compute_bucket_assignment_by_size` under the limits
+    ``[first_bucket_mb, bucket_cap_mb]`` MiB. The default ``"reverse"`` order
+    gives the buckets DDP builds after its first iteration when gradients arrive
+    in reverse definition order: a small first bucket holding the last layers,
+    then buckets of ``bucket_cap_mb``. Only leaf metadata is read.
+
+    Args:
+        tree: A pytree of tensors (parameters or gradients); ``None`` leaves
+            are kept in the structure and belong to no bucket. Dict keys keep
+            their insertion order, as ``named_parameters()`` yields them.
+        bucket_cap_mb: Size limit of every bucket after the first, in MiB.
+        first_bucket_mb: Size limit of the first bucket, in MiB. DDP uses 1 MiB
+            with the default cap and the cap itself when ``bucket_cap_mb`` is set.
+        order: ``"reverse"`` (default), ``"forward"`` or an explicit sequence
+            of the tensor leaves' indices in flatten order.
+
+    Returns:
+        The frozen :class:`BucketPlan`.
+
+    Raises:
+        TypeError: A leaf is neither a tensor nor ``None``.
+        ValueError: A size is not a finite positive number, or ``order`` is not a
+            permutation of the tensor leaves.
+
+    Example:
+        >>> import torch, fsync
+        >>> params = {"w": torch.zeros(256, 256), "b": torch.zeros(256)}
+        >>> plan = fsync.plan_buckets(params, bucket_cap_mb=0.25, first_bucket_mb=0.25)
+        >>> plan.buckets, plan.nbytes
+        (((1, 0),), (263168,))
+    """
+    treespec, _, specs = leaf_specs(tree)
+    return plan_from_specs(
+        treespec, specs, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, order=order
+    )
+
+
+# DDP broadcasts module state in 250 MiB buckets.
+VALUE_BUCKET_MB = 250.0
+
+
+def value_plan(tree: Any, what: str) -> tuple[list[Any], BucketPlan]:
+    """Leaves and a forward-order plan of large buckets, for moving or comparing values."""
+    treespec, leaves, specs = leaf_specs(tree, what=what)
+    for spec in specs:
+        if spec is not None and spec.sparse:
+            raise TypeError(
+                f"{what} leaf {spec.path!r} is sparse; only dense tensors are supported here. "
+                "Call .to_dense() on it first."
+            )
+    plan = plan_from_specs(
+        treespec,
+        specs,
+        bucket_cap_mb=VALUE_BUCKET_MB,
+        first_bucket_mb=VALUE_BUCKET_MB,
+        order="forward",
+    )
+    return leaves, plan

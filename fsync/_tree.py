@@ -1,0 +1,55 @@
+"""How fsync flattens pytrees.
+
+Every function in fsync flattens trees the same way, so that a plan built from
+the parameters fits the gradients:
+
+* dict keys keep their insertion order (the order ``named_parameters()`` yields),
+  not optree's default sorted order. This is a per-namespace optree setting,
+  switched on once for fsync's own namespace; unlike the
+  ``optree.dict_insertion_ordered`` context manager inside a function, a
+  namespace flag is something dynamo can trace through.
+* ``None`` is a leaf, so a gradient tree with unused (``None``) entries has the
+  same structure as the parameter tree it came from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+
+NAMESPACE = "fsync"
+
+# Entered once and never left: the setting belongs to fsync's own namespace, so it
+# changes nothing for other users of optree. The context manager is kept alive in
+# this module, since collecting it would run its exit and restore sorted order.
+_INSERTION_ORDERED = optree.dict_insertion_ordered(True, namespace=NAMESPACE)
+_INSERTION_ORDERED.__enter__()
+
+
+def flatten(tree: Any, /) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Flattens ``tree`` into leaves (``None`` included) and its structure."""
+    return optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+
+
+def flatten_with_paths(tree: Any, /) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
+    """Like :func:`flatten`, with a readable path string per leaf."""
+    paths, leaves, spec = optree.tree_flatten_with_path(
+        tree, none_is_leaf=True, namespace=NAMESPACE
+    )
+    return [path_str(p) for p in paths], leaves, spec
+
+
+def structure(tree: Any, /) -> optree.PyTreeSpec:
+    """The structure :func:`flatten` would give ``tree``."""
+    return optree.tree_structure(tree, none_is_leaf=True, namespace=NAMESPACE)
+
+
+def unflatten(spec: optree.PyTreeSpec, leaves: Any, /) -> Any:
+    """Inverse of :func:`flatten`."""
+    return optree.tree_unflatten(spec, leaves)
+
+
+def path_str(path: tuple[Any, ...], /) -> str:
+    """``('layer', 0, 'weight')`` -> ``'layer.0.weight'``; the root leaf is ``'<root>'``."""
+    return ".".join(str(key) for key in path) if path else "<root>"

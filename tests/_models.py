@@ -1,0 +1,62 @@
+"""Models and data shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RefModel(nn.Module):
+    """The parity model: Linear, channels_last Conv2d, Embedding, LayerNorm, a layer used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.LayerNorm(24)
+        self.fc = nn.Linear(24, 24)
+        self.head = nn.Linear(24, 5)
+
+    def forward(self, tokens: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+        e = self.emb(tokens).mean(1)
+        c = self.conv(images).mean((2, 3))
+        h = self.norm(torch.cat([e, c], 1))
+        h = torch.tanh(self.fc(h))
+        h = torch.tanh(self.fc(h))  # the same parameters a second time
+        return self.head(h)
+
+
+def ref_model() -> RefModel:
+    """The same initial model on every rank, conv weights in channels_last."""
+    torch.manual_seed(0)
+    return RefModel().to(memory_format=torch.channels_last)
+
+
+def ref_batch(rank: int, step: int = 0, batch: int = 8) -> tuple[torch.Tensor, ...]:
+    """Different data on every rank and step."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, 50, (batch, 6), generator=g)
+    images = torch.randn(batch, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
+    targets = torch.randint(0, 5, (batch,), generator=g)
+    return tokens, images, targets
+
+
+def ref_loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    tokens, images, targets = batch
+    return nn.functional.cross_entropy(model(tokens, images), targets)
+
+
+def func_loss(model: nn.Module):
+    """``loss(params, batch)`` for torch.func over ``model``'s parameters."""
+
+    def loss(params: dict[str, torch.Tensor], batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        tokens, images, targets = batch
+        logits = torch.func.functional_call(model, params, (tokens, images))
+        return nn.functional.cross_entropy(logits, targets)
+
+    return loss
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Detached parameters in ``named_parameters()`` order."""
+    return {name: p.detach() for name, p in model.named_parameters()}

@@ -1,0 +1,161 @@
+"""Gloo worlds on loopback for the test suite.
+
+A :class:`World` is ``size`` spawned processes that joined one gloo process
+group and wait for work. ``world.run(fn, *args)`` runs a module-level function
+on every rank and returns the per-rank results; an exception on any rank
+fails the call with that rank's traceback, and a rank that does not answer
+within the timeout gets the whole world killed (no test can hang the suite).
+Worlds are reused across tests, so each process imports torch, joins the group
+and keeps its compiled code only once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+DEFAULT_TIMEOUT = 180.0
+
+
+class RankFailedError(AssertionError):
+    """A rank raised; the message holds every failing rank's traceback."""
+
+
+def _worker(rank: int, size: int, init_file: str, pg_timeout: float, conn: Connection) -> None:
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    # Ranks share two cores: one intra-op thread each keeps them from fighting.
+    torch.set_num_threads(1)
+    # Warnings are errors, as in the pytest process; torch's own deprecation notices
+    # about its internals (raised while inductor imports them) are not ours to fix.
+    warnings.simplefilter("error")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch(\.|$)")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=pg_timeout),
+    )
+    conn.send(("ready", None))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            break
+        if message is None:
+            break
+        fn, args, kwargs = message
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class World:
+    """``size`` gloo ranks in spawned processes, ready to run functions."""
+
+    def __init__(self, size: int, *, pg_timeout: float = 60.0, start_timeout: float = 120.0):
+        self.size = size
+        self._dir = tempfile.TemporaryDirectory(prefix="fsync-world-")
+        init_file = os.path.join(self._dir.name, "init")
+        context = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        for rank in range(size):
+            parent, child = context.Pipe()
+            proc = context.Process(
+                target=_worker,
+                args=(rank, size, init_file, pg_timeout, child),
+                daemon=True,
+                name=f"fsync-rank{rank}",
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._collect("start-up", start_timeout)
+
+    @property
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self._procs)
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT, **kwargs: Any
+    ) -> list[Any]:
+        """Runs ``fn(*args, **kwargs)`` on every rank; returns the results in rank order."""
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        return self._collect(getattr(fn, "__name__", repr(fn)), timeout)
+
+    def run_each(
+        self,
+        calls: list[tuple[Callable[..., Any], tuple[Any, ...]]],
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> list[Any]:
+        """Runs a different call on each rank (``calls[rank]``); returns the results."""
+        for conn, (fn, args) in zip(self._conns, calls, strict=True):
+            conn.send((fn, args, {}))
+        return self._collect("run_each", timeout)
+
+    def _collect(self, what: str, timeout: float) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: dict[int, tuple[str, Any]] = {}
+        while len(results) < self.size:
+            pending = {conn: r for r, conn in enumerate(self._conns) if r not in results}
+            left = deadline - time.monotonic()
+            ready = wait(list(pending), timeout=max(left, 0.0)) if left > 0 else []
+            if not ready:
+                self.close()
+                missing = sorted(pending.values())
+                raise TimeoutError(
+                    f"ranks {missing} did not finish {what} within {timeout:.0f} s; "
+                    "the world was killed."
+                )
+            for conn in ready:
+                rank = pending[conn]
+                try:
+                    results[rank] = conn.recv()
+                except EOFError:
+                    results[rank] = (
+                        "error",
+                        f"rank {rank} died (exit code {self._procs[rank].exitcode})",
+                    )
+        errors = [
+            f"--- rank {r} ---\n{v}" for r, (kind, v) in sorted(results.items()) if kind == "error"
+        ]
+        if errors:
+            # A failed rank may have left its peers mid-collective: start afresh.
+            self.close()
+            raise RankFailedError(
+                f"{what} failed on {len(errors)} of {self.size} ranks:\n" + "\n".join(errors)
+            )
+        return [results[r][1] for r in range(self.size)]
+
+    def close(self) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                conn.send(None)
+        deadline = time.monotonic() + 5.0
+        for proc in self._procs:
+            proc.join(timeout=max(deadline - time.monotonic(), 0.1))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+        self._dir.cleanup()

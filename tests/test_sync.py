@@ -1,0 +1,391 @@
+"""sync_grads and GradSync on real gloo worlds, against DDP and the exact mean.
+
+Functions named ``_on_rank_*`` run on every rank of a :class:`World`; they make
+their own assertions and return what the test process needs to see.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fsync
+from fsync import _sync
+from tests._models import func_loss, params_of, ref_batch, ref_loss, ref_model
+from tests._world import World
+
+
+def _gathered(tree):
+    """Every rank's copy of a dict of tensors: {name: [rank0, rank1, ...]}."""
+    out = {}
+    for name, t in tree.items():
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t.contiguous())
+        out[name] = parts
+    return out
+
+
+def _summation_bound(parts, world_size):
+    """How far two summation orders of ``sum(g * (1/W))`` may be apart, elementwise.
+
+    Summing W terms in floating point is within (W - 1) * u * sum|terms| of the
+    exact sum (u = eps / 2), so two different orders are within
+    (W - 1) * eps * sum|terms| of each other.
+    """
+    eps = torch.finfo(parts[0].dtype).eps
+    terms = torch.stack([p * (1.0 / world_size) for p in parts]).abs().sum(0)
+    return (world_size - 1) * eps * terms
+
+
+# --- parity with DDP -----------------------------------------------------------------------
+
+
+def _on_rank_ddp_parity(cap):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = ref_model()
+    ddp = DDP(copy.deepcopy(model), bucket_cap_mb=cap)
+    ddp_grads = None
+    for step in range(2):  # the second step runs on DDP's rebuilt buckets
+        ddp.zero_grad(set_to_none=True)
+        ref_loss(ddp, ref_batch(rank, step)).backward()
+    ddp_grads = {n: p.grad for n, p in ddp.module.named_parameters()}
+    index = {id(p): i for i, p in enumerate(ddp.module.parameters())}
+    ddp_order = [
+        index[id(p)] for b in ddp.reducer._get_zeros_like_grad_buckets() for p in b.parameters()
+    ]
+
+    # The same step without DDP: torch.func gradients equal local autograd ones bitwise.
+    local = copy.deepcopy(model)
+    ref_loss(local, ref_batch(rank, 1)).backward()
+    grads = torch.func.grad(func_loss(model))(params_of(model), ref_batch(rank, 1))
+    for name, p in local.named_parameters():
+        assert torch.equal(grads[name], p.grad), name
+
+    options = {"bucket_cap_mb": cap, "first_bucket_mb": cap}
+    synced = fsync.sync_grads(grads, **options)
+    # Laid out as DDP's rebuilt buckets, the all-reduces are the same calls on the same
+    # bytes, so results match DDP bit for bit on any world size.
+    same_layout = fsync.GradSync()
+    state = same_layout.init(fsync.plan_buckets(params_of(model), order=ddp_order, **options))
+    synced_ddp_layout, _ = same_layout(grads, state)
+
+    bound = {n: _summation_bound(parts, world_size) for n, parts in _gathered(grads).items()}
+    report = {}
+    for name, ref in ddp_grads.items():
+        assert synced[name].stride() == ref.stride(), name  # channels_last stays channels_last
+        assert torch.equal(synced_ddp_layout[name], ref), name
+        diff = (synced[name] - ref).abs()
+        assert torch.all(diff <= bound[name]), (name, diff.max(), bound[name].max())
+        report[name] = torch.equal(synced[name], ref)
+    return report
+
+
+@pytest.mark.parametrize("world", [2, 3, 4], indirect=True)
+@pytest.mark.parametrize("cap", [25.0, 0.001])
+def test_parity_with_ddp(world: World, cap):
+    reports = world.run(_on_rank_ddp_parity, cap)
+    if world.size == 2:
+        # Two ranks: a * 0.5 + b * 0.5 is one rounding whatever the order: bitwise.
+        assert all(all(r.values()) for r in reports), reports
+
+
+def _on_rank_exact_mean(bucket_cap_mb):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    shapes = {"a": (7, 5), "b": (3,), "c": (2, 3, 4, 4), "d": (), "e": (0, 3), "f": (130,)}
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+    grads = {
+        name: (torch.randn(shape, generator=g) * 10).to(dtypes[i % 4])
+        for i, (name, shape) in enumerate(shapes.items())
+    }
+    synced = fsync.sync_grads(grads, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
+    for name, parts in _gathered(grads).items():
+        exact = torch.stack([p.double() * (1.0 / world_size) for p in parts]).sum(0)
+        # Each term is rounded once (x * 1/W) and the sum W - 1 times, all in the
+        # gradient's dtype: within W * eps * sum|terms| of the exact mean.
+        eps = torch.finfo(parts[0].dtype).eps
+        bound = (
+            world_size * eps * torch.stack([p.double().abs() / world_size for p in parts]).sum(0)
+        )
+        assert synced[name].dtype == grads[name].dtype
+        assert torch.all((synced[name].double() - exact).abs() <= bound), name
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4], indirect=True)
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 1e-4])
+def test_mean_of_mixed_dtype_tree(world: World, bucket_cap_mb):
+    world.run(_on_rank_exact_mean, bucket_cap_mb)
+
+
+def _on_rank_sum_and_chain():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    grads = {"w": torch.full((3,), float(rank + 1))}
+    total = sum(range(1, world_size + 1))
+    assert torch.equal(
+        fsync.sync_grads(grads, hook=fsync.ops.allreduce("sum"))["w"],
+        torch.full((3,), float(total)),
+    )
+    twice = fsync.chain(fsync.ops.allreduce("sum"), fsync.ops.allreduce("mean"))
+    assert torch.equal(fsync.sync_grads(grads, hook=twice)["w"], torch.full((3,), float(total)))
+
+
+@pytest.mark.parametrize("world", [3], indirect=True)
+def test_sum_and_chained_hooks(world: World):
+    world.run(_on_rank_sum_and_chain)
+
+
+# --- compile ---------------------------------------------------------------------------------
+
+
+def _on_rank_compiled_step():
+    rank = dist.get_rank()
+    model = ref_model()
+    loss_fn = func_loss(model)
+    options = {"bucket_cap_mb": 0.001, "first_bucket_mb": 0.001}
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+
+    def step(params, batch):
+        grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
+        grads = fsync.sync_grads(grads, **options)
+        return {k: p - 0.1 * grads[k] for k, p in params.items()}, loss
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    eager_params = compiled_params = params_of(model)
+    before = {k: v.clone() for k, v in compiled_params.items()}
+    for s in range(5):
+        batch = ref_batch(rank, s)
+        eager_params, _ = step(eager_params, batch)
+        compiled_params, _ = compiled(compiled_params, batch)
+        if s == 0:  # the caller's parameters are never written to
+            assert all(torch.equal(before[k], params_of(model)[k]) for k in before)
+    assert len(graphs) == 1, "recompiled"
+    collectives = [
+        n.target
+        for n in graphs[0].graph.nodes
+        if n.op == "call_function" and "c10d" in str(n.target)
+    ]
+    n_buckets = len(fsync.plan_buckets(params_of(model), **options).buckets)
+    all_reduces = [t for t in collectives if "all_reduce" in str(t)]
+    assert n_buckets == 3 and len(all_reduces) == n_buckets, collectives
+    for k in eager_params:
+        # Inductor fuses and reorders the float arithmetic of forward and backward
+        # (not of the sync: see test_compiled_sync_is_bitwise_eager), so five SGD
+        # steps drift by a few float32 ulps of the parameters' scale.
+        torch.testing.assert_close(compiled_params[k], eager_params[k], rtol=1e-5, atol=1e-6)
+
+
+def _on_rank_compiled_sync_bitwise():
+    rank = dist.get_rank()
+    model = ref_model()
+    grads = torch.func.grad(func_loss(model))(params_of(model), ref_batch(rank))
+    checksum = {k: v.clone() for k, v in grads.items()}
+    compiled = torch.compile(fsync.sync_grads, fullgraph=True)
+    for _ in range(2):
+        out = compiled(grads, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+    ref = fsync.sync_grads(grads, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+    for k in grads:
+        assert torch.equal(out[k], ref[k]) and out[k].stride() == ref[k].stride(), k
+        assert torch.equal(grads[k], checksum[k]), k
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_compiled_train_step(world: World):
+    world.run(_on_rank_compiled_step, timeout=400)
+
+
+@pytest.mark.parametrize("world", [3], indirect=True)
+def test_compiled_sync_is_bitwise_eager(world: World):
+    world.run(_on_rank_compiled_sync_bitwise, timeout=400)
+
+
+# --- GradSync ----------------------------------------------------------------------------------
+
+
+def _on_rank_gradsync():
+    rank = dist.get_rank()
+    model = ref_model()
+    params = params_of(model)
+    sync = fsync.GradSync(bucket_cap_mb=0.001, first_bucket_mb=0.001)
+    with pytest.raises(RuntimeError, match=r"no plan yet; call \.init\(params\) first"):
+        sync.plan  # noqa: B018
+    state = sync.init(params)
+    assert sync.plan == fsync.plan_buckets(params, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+    assert state.hook == () and int(state.fingerprint) == sync.plan.fingerprint
+    grads = torch.func.grad(func_loss(model))(params, ref_batch(rank))
+    out, state2 = sync(grads, state)
+    ref = fsync.sync_grads(grads, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+    assert all(torch.equal(out[k], ref[k]) for k in ref)
+    assert torch.equal(state2.fingerprint, state.fingerprint)
+
+    other = fsync.GradSync().init({"x": torch.zeros(3)})
+    with pytest.raises(ValueError, match="state belongs to another plan"):
+        sync(grads, other)
+    with pytest.raises(TypeError, match="expected the SyncState"):
+        sync(grads, ())
+    with pytest.raises(
+        ValueError, match=r"grads does not match the plan: leaf 'fc.bias' has shape \(3,\)"
+    ):
+        sync({**grads, "fc.bias": torch.zeros(3)}, state)
+    with pytest.raises(ValueError, match="grads does not match the plan: its structure is"):
+        sync({k: v for k, v in grads.items() if k != "head.bias"}, state)
+    with pytest.raises(ValueError, match="initialised for another tree"):
+        sync.init({"x": torch.zeros(3)})
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_gradsync(world: World):
+    world.run(_on_rank_gradsync)
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def _on_rank_bad_input():
+    grads = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+    with pytest.raises(
+        TypeError, match=r"grads leaf 'b' is a float; expected a torch.Tensor or None"
+    ):
+        fsync.sync_grads({**grads, "b": 1.0})
+    with pytest.raises(
+        TypeError, match=r"grads leaf 'b' has dtype torch.int64; expected a floating point"
+    ):
+        fsync.sync_grads({**grads, "b": torch.ones(2, dtype=torch.int64)})
+    with pytest.raises(TypeError, match=r"grads leaf 'b' has dtype torch.complex64"):
+        fsync.sync_grads({**grads, "b": torch.ones(2, dtype=torch.complex64)})
+    with pytest.raises(
+        ValueError, match=r"grads leaf 'w' requires grad.*Did you pass the parameters"
+    ):
+        fsync.sync_grads({**grads, "w": torch.ones(2, 2, requires_grad=True)})
+    with pytest.raises(TypeError, match=r"expected an fsync\.Hook"):
+        fsync.sync_grads(grads, hook=lambda b: b)
+    with pytest.raises(ValueError, match="op must be 'mean' or 'sum'"):
+        fsync.ops.allreduce("max")
+    with pytest.raises(TypeError, match=r"expected a torch\.distributed\.ProcessGroup"):
+        fsync.sync_grads(grads, group="world")
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a finite positive"):
+        fsync.sync_grads(grads, bucket_cap_mb=-1)
+    stateful = fsync.Hook(lambda plan: (torch.zeros(1),), lambda b, s, c: (b, s))
+    with pytest.raises(ValueError, match=r"this hook keeps state.*Use fsync\.GradSync"):
+        fsync.sync_grads(grads, hook=stateful)
+    wrong_size = fsync.Hook(lambda plan: (), lambda b, s, c: ([x[:-1] for x in b], s))
+    with pytest.raises(ValueError, match="hook output: buffer 0 has shape"):
+        fsync.sync_grads(grads, hook=wrong_size)
+    # All of the above failed before any collective: the world still works.
+    assert torch.equal(fsync.sync_grads(grads)["w"], grads["w"])
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_bad_input_raises_on_every_rank(world: World):
+    world.run(_on_rank_bad_input, timeout=60)
+
+
+def _on_rank_trees_differ(kind):
+    rank = dist.get_rank()
+    last = dist.get_world_size() - 1
+    grads = {"w": torch.ones(4, 3), "b": torch.ones(4)}
+    if rank == last:
+        if kind == "shape":
+            grads["w"] = torch.ones(4, 5)
+        elif kind == "dtype":
+            grads["b"] = torch.ones(4, dtype=torch.float64)
+        elif kind == "structure":
+            grads = {"w": torch.ones(4, 3), "b": torch.ones(4), "extra": torch.ones(1)}
+        elif kind == "layout":
+            grads["w"] = torch.ones(3, 4).t()
+        elif kind == "none":
+            grads["b"] = None
+    options = {}
+    if kind == "options" and rank == last:
+        options = {"bucket_cap_mb": 1e-5, "first_bucket_mb": 1e-5}
+    expected = {
+        "shape": rf"leaf 'w' has shape \(4, 3\).* on rank 0 but shape \(4, 5\).* on rank {last}",
+        "dtype": rf"leaf 'b' has .*float32.* on rank 0 but .*float64.* on rank {last}",
+        "structure": f"rank 0 has 2 leaves and rank {last} has 3; the first extra one is 'extra'",
+        "layout": rf"leaf 'w' has .*contiguous on rank 0 but .*dim order \(1, 0\) on rank {last}",
+        "none": rf"leaf 'b' has shape \(4,\).* on rank 0 but None on rank {last}",
+        "options": rf"the bucket plans differ \(bucket_cap_mb, .*\) between rank 0 and rank {last}",
+    }[kind]
+    with pytest.raises(ValueError, match=f"grads differ across ranks: {expected}"):
+        fsync.sync_grads(grads, **options)
+    with pytest.raises(ValueError, match=r"trees passed to GradSync\.init differ across ranks"):
+        fsync.GradSync(**options).init(grads)
+    # Every rank raised before any bucket collective; the world is usable.
+    assert fsync.sync_grads({"x": torch.ones(1)})["x"].item() == 1.0
+
+
+@pytest.mark.parametrize("world", [2, 3], indirect=True)
+@pytest.mark.parametrize("kind", ["shape", "dtype", "structure", "layout", "none", "options"])
+def test_trees_that_differ_between_ranks(world: World, kind):
+    world.run(_on_rank_trees_differ, kind, timeout=60)
+
+
+# --- plan cache, world size 1, groups, no mutation ------------------------------------------------
+
+
+def _on_rank_plan_cache():
+    _sync._PLANS.clear()
+    grads = {"w": torch.ones(4, 3), "b": torch.ones(4)}
+    for _ in range(3):
+        fsync.sync_grads(grads)
+        fsync.sync_grads({"w": torch.randn(4, 3), "b": torch.randn(4)})
+    assert (_sync._PLANS.misses, _sync._PLANS.hits) == (1, 5)
+    fsync.sync_grads(grads, bucket_cap_mb=1.0)
+    assert _sync._PLANS.misses == 2
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_plan_is_cached(world: World):
+    world.run(_on_rank_plan_cache)
+
+
+def _on_rank_no_collective(monkeypatch_target):
+    import torch.distributed._functional_collectives as funcol
+
+    calls = []
+    original = getattr(funcol, monkeypatch_target)
+
+    def counting(*args, **kwargs):
+        calls.append(monkeypatch_target)
+        return original(*args, **kwargs)
+
+    setattr(funcol, monkeypatch_target, counting)
+    try:
+        torch.manual_seed(0)  # equal on all ranks: the mean is the input itself
+        grads = {"w": torch.randn(4, 3), "b": torch.randn(4)}
+        out = fsync.sync_grads(grads)
+        out2, _ = (sync := fsync.GradSync()).__call__(grads, sync.init(grads))
+    finally:
+        setattr(funcol, monkeypatch_target, original)
+    assert all(torch.equal(out[k], grads[k]) and torch.equal(out2[k], grads[k]) for k in grads)
+    return len(calls)
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_world_size_one_issues_no_collective(world: World):
+    counts = world.run(_on_rank_no_collective, "all_reduce")
+    assert counts == ([0] if world.size == 1 else [2, 2])
+
+
+def _on_rank_subgroup():
+    rank = dist.get_rank()
+    members = [0, 2]
+    group = dist.new_group(members)
+    grads = {"w": torch.full((5,), float(rank))}
+    if rank in members:
+        out = fsync.sync_grads(grads, group=group)
+        assert torch.equal(out["w"], torch.full((5,), 1.0))  # mean of ranks 0 and 2
+
+
+@pytest.mark.parametrize("world", [3], indirect=True)
+def test_subgroup(world: World):
+    world.run(_on_rank_subgroup)
