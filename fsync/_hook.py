@@ -31,6 +31,12 @@ class SyncContext(NamedTuple):
         divisor: What a mean divides by: ``world_size`` (an int), or, when
             ranks without data join a sync, the number of contributing ranks
             (a 0-d tensor). Use :meth:`divide` rather than reading it.
+        scatter: ``True`` when the caller (the ZeRO step) needs only this rank's
+            shard of each reduced bucket. A hook may then return, per bucket,
+            either the whole reduced bucket or this rank's shard of it: the
+            bucket zero-padded to ``world_size * shard_numel(numel, world_size)``
+            elements and cut into ``world_size`` equal pieces, piece ``rank``
+            (what ``ops.allreduce`` returns, by a reduce-scatter).
     """
 
     plan: BucketPlan
@@ -39,6 +45,7 @@ class SyncContext(NamedTuple):
     rank: int
     world_size: int
     divisor: int | torch.Tensor
+    scatter: bool = False
 
     def divide(self, x: torch.Tensor) -> torch.Tensor:
         """``x / divisor``, computed as DDP does: ``x * (1 / divisor)``.

@@ -211,3 +211,20 @@ def unpack(buffers: Sequence[torch.Tensor], plan: BucketPlan, /) -> Any:
     """
     check_buffers(buffers, plan.specs, plan, "unpack")
     return _tree.unflatten(plan.structure(), unpack_leaves(buffers, plan))
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements per rank when ``numel`` elements are cut into ``world_size`` equal shards."""
+    return -(-numel // world_size)
+
+
+def pad_to_shards(buffer: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``buffer`` (1-D) zero-padded to ``world_size`` equal shards."""
+    extra = world_size * shard_numel(buffer.numel(), world_size) - buffer.numel()
+    return torch.nn.functional.pad(buffer, (0, extra)) if extra else buffer
+
+
+def shard_of(buffer: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's shard of a 1-D buffer padded as by :func:`pad_to_shards` (a view)."""
+    n = shard_numel(buffer.numel(), world_size)
+    return pad_to_shards(buffer, world_size)[rank * n : (rank + 1) * n]

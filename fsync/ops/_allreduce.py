@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from fsync import _comm
 from fsync._hook import Buckets, Hook, SyncContext
+from fsync._pack import pad_to_shards
 
 
 def allreduce(op: Literal["mean", "sum"] = "mean") -> Hook:
@@ -15,7 +16,8 @@ def allreduce(op: Literal["mean", "sum"] = "mean") -> Hook:
     ``1 / world_size``, then summed across ranks, so results agree with DDP's
     bit for bit where the summation order does. With one rank nothing is
     communicated. Bytes on the wire: those of the buckets (the reference for
-    every other hook).
+    every other hook). Where the caller needs only shards (``ctx.scatter``,
+    the ZeRO step), each bucket is reduce-scattered instead.
 
     Args:
         op: ``"mean"`` (default) or ``"sum"``.
@@ -41,6 +43,9 @@ def allreduce(op: Literal["mean", "sum"] = "mean") -> Hook:
     def apply(buckets: Buckets, state: Any, ctx: SyncContext) -> tuple[Buckets, Any]:
         if op == "mean":
             buckets = [ctx.divide(b) for b in buckets]
+        if ctx.scatter:
+            padded = [pad_to_shards(b, ctx.world_size) for b in buckets]
+            return [_comm.reduce_scatter(b, "sum", ctx.group) for b in padded], state
         return [_comm.all_reduce(b, "sum", ctx.group) for b in buckets], state
 
     return Hook(init, apply)
