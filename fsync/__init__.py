@@ -4,6 +4,7 @@
 """
 
 from fsync import ops
+from fsync._accumulate import accumulate
 from fsync._broadcast import broadcast, sync_buffers
 from fsync._hook import Hook, SyncContext, chain
 from fsync._pack import pack, unpack
@@ -14,6 +15,7 @@ from fsync._plan import (
     compute_bucket_assignment_by_size,
     plan_buckets,
 )
+from fsync._stats import SyncStats, sync_stats
 from fsync._sync import GradSync, SyncState, sync_grads
 from fsync._verify import verify
 
@@ -27,7 +29,9 @@ __all__ = [
     "LeafSpec",
     "SyncContext",
     "SyncState",
+    "SyncStats",
     "__version__",
+    "accumulate",
     "broadcast",
     "chain",
     "compute_bucket_assignment_by_size",
@@ -36,6 +40,7 @@ __all__ = [
     "plan_buckets",
     "sync_buffers",
     "sync_grads",
+    "sync_stats",
     "unpack",
     "verify",
 ]

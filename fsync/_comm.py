@@ -9,8 +9,10 @@ is a ``ProcessGroup``, a 1-D ``DeviceMesh``, a ``(DeviceMesh, dim)`` pair or
 
 from __future__ import annotations
 
+import contextlib
 import pickle
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,55 @@ REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 # *_single names; older releases only have the former.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
+class Collective(NamedTuple):
+    """One collective as :func:`recording` saw it: what this rank put on the wire."""
+
+    op: str
+    dtype: torch.dtype
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class _Recording(NamedTuple):
+    world_size: int
+    rank: int
+    calls: list[Collective]
+
+
+# A module global rather than a ContextVar: dynamo reads globals (and guards on them)
+# inside compiled code, while ContextVar.get would break the graph.
+_recording: _Recording | None = None
+
+
+@contextlib.contextmanager
+def recording(world_size: int, rank: int = 0) -> Iterator[list[Collective]]:
+    """Inside, collectives are recorded instead of issued, as if on ``world_size`` ranks.
+
+    Each returns a tensor of the right shape (the input's values, repeated for
+    an all-gather, this rank's chunk for a reduce-scatter), so a hook runs to
+    the end and the list yielded holds every collective it issued, in order.
+    Not thread-safe; for diagnostics (:func:`fsync.sync_stats`), never training.
+    """
+    global _recording
+    if _recording is not None:
+        raise RuntimeError("fsync is already recording collectives.")
+    _recording = _Recording(world_size, rank, [])
+    try:
+        yield _recording.calls
+    finally:
+        _recording = None
+
+
+def _record(op: str, x: torch.Tensor) -> _Recording:
+    assert _recording is not None
+    _recording.calls.append(Collective(op, x.dtype, x.numel()))
+    return _recording
+
 
 _NOT_INITIALISED = (
     "torch.distributed is not initialised. Call torch.distributed.init_process_group() "
@@ -59,7 +110,7 @@ def check_group(group: Group) -> None:
             f"group is a {type(group).__name__}; expected a torch.distributed.ProcessGroup, a "
             "DeviceMesh, a (DeviceMesh, dim) pair or None for the default group."
         )
-    if not (dist.is_available() and dist.is_initialized()):
+    if _recording is None and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(_NOT_INITIALISED)
 
 
@@ -73,6 +124,8 @@ def _funcol_group(group: Group) -> Any:
 
 def size(group: Group) -> int:
     """Number of ranks in ``group``."""
+    if _recording is not None:
+        return _recording.world_size
     if isinstance(group, tuple):
         return group[0].size(group[1])
     if isinstance(group, DeviceMesh):
@@ -82,6 +135,8 @@ def size(group: Group) -> int:
 
 def rank(group: Group) -> int:
     """This process's rank within ``group``."""
+    if _recording is not None:
+        return _recording.rank
     if isinstance(group, tuple):
         return group[0].get_local_rank(group[1])
     if isinstance(group, DeviceMesh):
@@ -102,6 +157,9 @@ def all_reduce(x: torch.Tensor, op: str, group: Group) -> torch.Tensor:
     """Reduces ``x`` over ``group`` with ``op``, one of :data:`REDUCE_OPS`."""
     if size(group) == 1:
         return x
+    if _recording is not None:
+        _record("all_reduce", x)
+        return x.clone()
     return funcol.all_reduce(x, op, _funcol_group(group))
 
 
@@ -109,6 +167,8 @@ def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Every rank's ``x`` concatenated along dim 0, in rank order."""
     if size(group) == 1:
         return x
+    if _recording is not None:
+        return torch.cat([x] * _record("all_gather", x).world_size)
     return _all_gather(x, 0, _funcol_group(group))
 
 
@@ -116,6 +176,9 @@ def reduce_scatter(x: torch.Tensor, op: str, group: Group) -> torch.Tensor:
     """Reduces ``x`` over ``group`` and returns this rank's chunk of dim 0."""
     if size(group) == 1:
         return x
+    if _recording is not None:
+        recorded = _record("reduce_scatter", x)
+        return x.chunk(recorded.world_size)[recorded.rank].clone()
     return _reduce_scatter(x, op, 0, _funcol_group(group))
 
 
@@ -123,14 +186,31 @@ def broadcast(x: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     """Rank ``src``'s ``x`` (``src`` counted within ``group``)."""
     if size(group) == 1:
         return x
+    if _recording is not None:
+        _record("broadcast", x)
+        return x.clone()
     return funcol.broadcast(x, src, _funcol_group(group))
 
 
 def wait(x: torch.Tensor) -> torch.Tensor:
-    """Waits for a collective's result and returns it as a plain tensor."""
-    if isinstance(x, funcol.AsyncCollectiveTensor):
+    """Waits for a collective's result and returns it as a plain tensor.
+
+    A collective that fails (a peer died, timed out, or called something else)
+    raises the backend's own exception type with a message saying what to check.
+    """
+    if not isinstance(x, funcol.AsyncCollectiveTensor):
+        return x
+    try:
         return x.wait()
-    return x
+    except RuntimeError as error:
+        raise type(error)(f"{COLLECTIVE_FAILED} Backend error: {error}") from error
+
+
+COLLECTIVE_FAILED = (
+    "an fsync collective failed. A rank may have died, stopped calling the sync (uneven "
+    "data: pass active=False on ranks that ran out), or called a different collective; a "
+    "hung peer is reported after the process group's timeout (init_process_group(timeout=...))."
+)
 
 
 def all_gather_object(obj: Any, group: Group, device: torch.device) -> list[Any]:

@@ -55,18 +55,19 @@ def check_leaves(leaves: Sequence[Any], treespec: Any, plan: BucketPlan, what: s
             )
         if leaf.device != spec.device:
             raise _mismatch(what, f"leaf {spec.path!r} is on {leaf.device}, expected {spec.device}")
-        if (leaf.layout == torch.sparse_coo) != spec.sparse:
-            kind = "sparse" if spec.sparse else "dense"
-            raise _mismatch(what, f"leaf {spec.path!r} should be a {kind} tensor")
+        sparse_dim = leaf.sparse_dim() if leaf.layout == torch.sparse_coo else 0
+        if sparse_dim != spec.sparse_dim:
+            kind = f"sparse with {spec.sparse_dim} sparse dims" if spec.sparse else "dense"
+            raise _mismatch(what, f"leaf {spec.path!r} should be {kind}")
 
 
-def flat(leaf: torch.Tensor | None, spec: LeafSpec) -> torch.Tensor:
-    """``leaf`` as a 1-D tensor in the plan's memory order (zeros for ``None``)."""
+def flat(leaf: torch.Tensor | None, spec: LeafSpec, dtype: torch.dtype) -> torch.Tensor:
+    """``leaf`` as a 1-D ``dtype`` tensor in the plan's memory order (zeros for ``None``)."""
     if leaf is None:
-        return torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
+        return torch.zeros(spec.numel, dtype=dtype, device=spec.device)
     if spec.perm != tuple(range(len(spec.perm))):
         leaf = leaf.permute(spec.perm)
-    return leaf.reshape(-1)
+    return leaf.reshape(-1).to(dtype)
 
 
 def pack_leaves(leaves: Sequence[torch.Tensor | None], plan: BucketPlan) -> list[torch.Tensor]:
@@ -82,17 +83,19 @@ def _pack_bucket(
         leaf, leaf_spec_ = leaves[i], plan.leaves[i]
         assert leaf_spec_ is not None
         if leaf is None:
+            dense_shape = leaf_spec_.shape[leaf_spec_.sparse_dim :]
             return torch.sparse_coo_tensor(
-                torch.zeros(len(leaf_spec_.shape), 0, dtype=torch.int64, device=spec.device),
-                torch.zeros(0, dtype=spec.dtype, device=spec.device),
+                torch.zeros(leaf_spec_.sparse_dim, 0, dtype=torch.int64, device=spec.device),
+                torch.zeros(0, *dense_shape, dtype=spec.dtype, device=spec.device),
                 leaf_spec_.shape,
+                check_invariants=True,
             ).coalesce()
         return leaf.coalesce()
     parts = []
     for i in spec.leaves:
         leaf_spec_ = plan.leaves[i]
         assert leaf_spec_ is not None
-        parts.append(flat(leaves[i], leaf_spec_))
+        parts.append(flat(leaves[i], leaf_spec_, spec.dtype))
     # torch.cat always returns new memory, so a hook may own the buffer it gets.
     return torch.cat(parts)
 
@@ -101,7 +104,8 @@ def pack(tree: Any, plan: BucketPlan, /) -> list[torch.Tensor]:
     """Packs the leaves of ``tree`` into one flat 1-D buffer per bucket of ``plan``.
 
     Each leaf is laid out in its own memory order (a channels_last leaf as
-    NHWC), so :func:`unpack` can give it back with the same strides. A ``None``
+    NHWC), so :func:`unpack` can give it back with the same strides, and cast
+    to the bucket's dtype (the plan's ``reduce_dtype``, if any). A ``None``
     leaf where the plan expects a tensor (an unused parameter) packs as zeros.
     A sparse bucket's "buffer" is the coalesced sparse tensor itself.
 
@@ -171,7 +175,7 @@ def unpack_leaves(buffers: Sequence[torch.Tensor], plan: BucketPlan) -> list[tor
         for i, piece in zip(spec.leaves, torch.split(buffer, spec.sizes), strict=True):
             leaf = plan.leaves[i]
             assert leaf is not None
-            leaves[i] = _shape(piece, leaf)
+            leaves[i] = _shape(piece, leaf).to(leaf.dtype)
     return leaves
 
 
@@ -188,8 +192,8 @@ def unpack(buffers: Sequence[torch.Tensor], plan: BucketPlan, /) -> Any:
     """Inverse of :func:`pack`: a tree with the plan's structure from its buffers.
 
     Every leaf comes back with its shape, dtype and memory layout (a
-    channels_last leaf is channels_last again) as a view of its buffer; the
-    plan's ``None`` leaves stay ``None``.
+    channels_last leaf is channels_last again), as a view of its buffer unless
+    the plan reduces in another dtype; the plan's ``None`` leaves stay ``None``.
 
     Args:
         buffers: One tensor per bucket, as :func:`pack` (or a hook) returned them.

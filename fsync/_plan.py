@@ -33,6 +33,8 @@ class LeafSpec(NamedTuple):
     NCHW tensor, ``(0, 2, 3, 1)`` a channels_last one. Buckets store leaves in
     this order, so a leaf comes back from :func:`fsync.unpack` with the layout
     it went in with, as DDP's bucket views keep the parameter's strides.
+    ``sparse_dim`` is 0 for a dense leaf and the number of sparse dimensions of
+    a sparse COO leaf (whose ``perm`` is empty).
     """
 
     path: str
@@ -40,7 +42,11 @@ class LeafSpec(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     perm: tuple[int, ...]
-    sparse: bool = False
+    sparse_dim: int = 0
+
+    @property
+    def sparse(self) -> bool:
+        return self.sparse_dim > 0
 
     @property
     def numel(self) -> int:
@@ -54,7 +60,7 @@ class LeafSpec(NamedTuple):
     def layout(self) -> str:
         """The memory layout in words: ``contiguous``, ``channels_last`` ..."""
         if self.sparse:
-            return "sparse"
+            return f"sparse ({self.sparse_dim} sparse dims)"
         order = tuple(d for d in self.perm if self.shape[d] != 1)
         if order == tuple(sorted(order)):
             return "contiguous"
@@ -96,7 +102,12 @@ class BucketSpec(NamedTuple):
 def leaf_spec(path: str, tensor: torch.Tensor, /) -> LeafSpec:
     """The :class:`LeafSpec` of ``tensor`` found at ``path``."""
     if tensor.layout == torch.sparse_coo:
-        return LeafSpec(path, tuple(tensor.shape), tensor.dtype, tensor.device, (), True)
+        if tensor.sparse_dim() == 0:
+            raise TypeError(
+                f"leaf {path!r} is a sparse tensor without sparse dimensions; use .to_dense()."
+            )
+        shape = tuple(tensor.shape)
+        return LeafSpec(path, shape, tensor.dtype, tensor.device, (), tensor.sparse_dim())
     if tensor.layout != torch.strided:
         raise TypeError(
             f"leaf {path!r} has layout {tensor.layout}; fsync handles dense (strided) and "
@@ -106,7 +117,7 @@ def leaf_spec(path: str, tensor: torch.Tensor, /) -> LeafSpec:
     # Outermost dimension first; ties (size-1 or broadcast dimensions) keep their
     # order, which leaves the element order unchanged.
     perm = tuple(sorted(range(tensor.dim()), key=lambda d: (-strides[d], d)))
-    return LeafSpec(path, tuple(tensor.shape), tensor.dtype, tensor.device, perm, False)
+    return LeafSpec(path, tuple(tensor.shape), tensor.dtype, tensor.device, perm)
 
 
 def _check_limits(size_limits: Sequence[int]) -> tuple[int, ...]:
@@ -209,16 +220,21 @@ class BucketPlan:
             ``None`` leaf (which belongs to no bucket).
         buckets: Per bucket, in communication order, the indices of its leaves
             in the order they sit in the buffer.
+        reduce_dtype: If set, the dtype of every floating point bucket (the
+            leaves are cast to it in :func:`fsync.pack` and back in
+            :func:`fsync.unpack`); ``None`` keeps each leaf's own dtype.
     """
 
     treespec: optree.PyTreeSpec
     leaves: tuple[LeafSpec | None, ...]
     buckets: tuple[tuple[int, ...], ...]
+    reduce_dtype: torch.dtype | None = None
     specs: tuple[BucketSpec, ...] = dataclasses.field(init=False, repr=False, compare=False)
     skeleton: Any = dataclasses.field(init=False, repr=False, compare=False)
     """The tree with each leaf replaced by its index; see :meth:`structure`."""
 
     def __post_init__(self) -> None:
+        check_reduce_dtype(self.reduce_dtype)
         if self.treespec.num_leaves != len(self.leaves):
             raise ValueError(
                 f"the tree has {self.treespec.num_leaves} leaves but {len(self.leaves)} leaf specs "
@@ -259,9 +275,10 @@ class BucketPlan:
         leaves = [self.leaves[i] for i in indices]
         first = leaves[0]
         assert first is not None
+        dtype = buffer_dtype(first, self.reduce_dtype)
         for leaf in leaves:
             assert leaf is not None
-            if (leaf.dtype, leaf.device) != (first.dtype, first.device):
+            if (buffer_dtype(leaf, self.reduce_dtype), leaf.device) != (dtype, first.device):
                 raise ValueError(
                     f"bucket {b} mixes {first.dtype} on {first.device} ({first.path!r}) with "
                     f"{leaf.dtype} on {leaf.device} ({leaf.path!r}); a bucket holds one dtype "
@@ -271,9 +288,7 @@ class BucketPlan:
             raise ValueError(f"bucket {b} holds a sparse leaf with others; sparse leaves go alone.")
         sizes = tuple(leaf.numel for leaf in leaves)  # type: ignore[union-attr]
         offsets = tuple(sum(sizes[:k]) for k in range(len(sizes)))
-        return BucketSpec(
-            indices, offsets, sizes, sum(sizes), first.dtype, first.device, first.sparse
-        )
+        return BucketSpec(indices, offsets, sizes, sum(sizes), dtype, first.device, first.sparse)
 
     @property
     def nbytes(self) -> tuple[int, ...]:
@@ -297,6 +312,7 @@ class BucketPlan:
         for leaf in self.leaves:
             digest.update(b"\0" + (b"-" if leaf is None else leaf_key(leaf).encode()))
         digest.update(repr(self.buckets).encode())
+        digest.update(str(self.reduce_dtype).encode())
         return int.from_bytes(digest.digest(), "big") >> 1
 
     def __repr__(self) -> str:
@@ -324,9 +340,10 @@ class BucketPlan:
             )
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         right = {0, 1, 4}
+        reduced = "" if self.reduce_dtype is None else f", reduced in {self.reduce_dtype}"
         lines = [
             f"BucketPlan: {sum(len(b) for b in self.buckets)} tensor leaves in "
-            f"{len(self.buckets)} buckets, {sum(self.nbytes) / MiB:.3f} MiB"
+            f"{len(self.buckets)} buckets, {sum(self.nbytes) / MiB:.3f} MiB{reduced}"
         ]
         for row in rows:
             cells = [
@@ -337,10 +354,28 @@ class BucketPlan:
         return "\n".join(lines)
 
 
+def check_reduce_dtype(reduce_dtype: torch.dtype | None) -> None:
+    """Raises ``TypeError`` unless ``reduce_dtype`` is ``None`` or a floating point dtype."""
+    if reduce_dtype is not None and not (
+        isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"reduce_dtype must be None or a floating point torch.dtype such as torch.float32 "
+            f"or torch.bfloat16; got {reduce_dtype!r}."
+        )
+
+
+def buffer_dtype(leaf: LeafSpec, reduce_dtype: torch.dtype | None, /) -> torch.dtype:
+    """The dtype ``leaf`` travels in: ``reduce_dtype`` for dense floating leaves if set."""
+    if reduce_dtype is not None and leaf.dtype.is_floating_point and not leaf.sparse:
+        return reduce_dtype
+    return leaf.dtype
+
+
 def leaf_key(leaf: LeafSpec, /) -> str:
     """What must agree about a leaf across ranks for their buckets to line up."""
     order = tuple(d for d in leaf.perm if leaf.shape[d] != 1)
-    return f"{leaf.path}|{leaf.shape}|{leaf.dtype}|{leaf.device.type}|{order}|{leaf.sparse}"
+    return f"{leaf.path}|{leaf.shape}|{leaf.dtype}|{leaf.device.type}|{order}|{leaf.sparse_dim}"
 
 
 def check_bucket_options(bucket_cap_mb: float, first_bucket_mb: float) -> None:
@@ -387,21 +422,24 @@ def plan_from_specs(
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
     order: Order = "reverse",
+    reduce_dtype: torch.dtype | None = None,
 ) -> BucketPlan:
     """:func:`plan_buckets` over leaf specs already taken from a tree."""
     check_bucket_options(bucket_cap_mb, first_bucket_mb)
+    check_reduce_dtype(reduce_dtype)
     tensor_leaves = [i for i, leaf in enumerate(leaves) if leaf is not None]
     sequence = _order(order, tensor_leaves, len(leaves))
-    specs = [leaves[i] for i in sequence]
+    specs: list[LeafSpec] = [leaves[i] for i in sequence]  # type: ignore[misc]
+    dtypes = [buffer_dtype(s, reduce_dtype) for s in specs]
     limits = [int(first_bucket_mb * MiB), int(bucket_cap_mb * MiB)]
     assigned = _assign(
-        [(s.dtype, s.device) for s in specs],  # type: ignore[union-attr]
-        [s.nbytes for s in specs],  # type: ignore[union-attr]
-        [s.sparse for s in specs],  # type: ignore[union-attr]
+        [(dtype, s.device) for dtype, s in zip(dtypes, specs, strict=True)],
+        [s.numel * dtype.itemsize for dtype, s in zip(dtypes, specs, strict=True)],
+        [s.sparse for s in specs],
         limits,
     )
     buckets = tuple(tuple(sequence[k] for k in bucket) for bucket in assigned)
-    return BucketPlan(treespec, tuple(leaves), buckets)
+    return BucketPlan(treespec, tuple(leaves), buckets, reduce_dtype)
 
 
 def leaf_specs(
@@ -430,6 +468,7 @@ def plan_buckets(
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
     order: Order = "reverse",
+    reduce_dtype: torch.dtype | None = None,
 ) -> BucketPlan:
     """Plans the buckets for a tree of tensors, as DDP's Reducer would.
 
@@ -449,12 +488,15 @@ def plan_buckets(
             with the default cap and the cap itself when ``bucket_cap_mb`` is set.
         order: ``"reverse"`` (default), ``"forward"`` or an explicit sequence
             of the tensor leaves' indices in flatten order.
+        reduce_dtype: Reduce floating point leaves in this dtype (buckets are
+            then grouped and sized by it); ``None`` keeps each leaf's dtype.
 
     Returns:
         The frozen :class:`BucketPlan`.
 
     Raises:
-        TypeError: A leaf is neither a tensor nor ``None``.
+        TypeError: A leaf is neither a tensor nor ``None``, or ``reduce_dtype``
+            is not a floating point dtype.
         ValueError: A size is not a finite positive number, or ``order`` is not a
             permutation of the tensor leaves.
 
@@ -467,7 +509,12 @@ def plan_buckets(
     """
     treespec, _, specs = leaf_specs(tree)
     return plan_from_specs(
-        treespec, specs, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, order=order
+        treespec,
+        specs,
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_mb=first_bucket_mb,
+        order=order,
+        reduce_dtype=reduce_dtype,
     )
 
 

@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import optree
 import torch
 
-from fsync import _comm, _pack, _tree, _verify
+from fsync import _comm, _pack, _sparse, _tree, _verify
 from fsync._hook import Hook, SyncContext, check_hook
-from fsync._plan import BucketPlan, check_bucket_options, leaf_spec, leaf_specs, plan_from_specs
+from fsync._plan import (
+    BucketPlan,
+    check_bucket_options,
+    check_reduce_dtype,
+    leaf_spec,
+    leaf_specs,
+    plan_from_specs,
+)
 from fsync._serialization import register_state
 from fsync.ops._allreduce import allreduce
 
+logger = logging.getLogger("fsync")
+
 _DEFAULT_HOOK = allreduce("mean")
 _PLAN_CACHE_SIZE = 64
+
+DivideBy = Literal["world", "active"]
 
 
 @register_state
@@ -62,6 +74,31 @@ def _check_grad_types(leaves: Sequence[Any], treespec: optree.PyTreeSpec) -> Non
             )
 
 
+def _check_one_device(plan: BucketPlan) -> None:
+    devices: dict[torch.device, str] = {}
+    for leaf in plan.leaves:
+        if leaf is not None:
+            devices.setdefault(leaf.device, leaf.path)
+    if len(devices) > 1:
+        where = ", ".join(f"{device} ({path!r})" for device, path in devices.items())
+        raise ValueError(
+            f"the tree's leaves are on several devices: {where}. fsync syncs the leaves of one "
+            "device per call: move them with .to(device), or sync each device's tree separately."
+        )
+
+
+def _check_call_options(active: bool, divide_by: str) -> None:
+    if not isinstance(active, bool):
+        raise TypeError(f"active must be a bool; got {active!r}.")
+    if divide_by not in ("world", "active"):
+        raise ValueError(f"divide_by must be 'world' or 'active'; got {divide_by!r}.")
+
+
+def _log_plan(plan: BucketPlan, where: str) -> None:
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s planned %d buckets:\n%s", where, len(plan.buckets), plan)
+
+
 def _meta(leaf: torch.Tensor | None) -> Any:
     if leaf is None:
         return None
@@ -80,7 +117,7 @@ class _PlanCache:
         self.misses = 0
 
     def get(
-        self, treespec: optree.PyTreeSpec, leaves: Sequence[Any], options: tuple[float, float]
+        self, treespec: optree.PyTreeSpec, leaves: Sequence[Any], options: tuple[Any, ...]
     ) -> BucketPlan:
         key = (treespec, tuple(_meta(leaf) for leaf in leaves), options)
         plan = self._plans.get(key)
@@ -90,6 +127,7 @@ class _PlanCache:
             return plan
         self.misses += 1
         plan = _plan_from_leaves(treespec, leaves, options)
+        _log_plan(plan, "sync_grads")
         self._plans[key] = plan
         if len(self._plans) > self._size:
             self._plans.popitem(last=False)
@@ -106,7 +144,7 @@ _VERIFIED: set[tuple[int, Any]] = set()
 
 
 def _plan_from_leaves(
-    treespec: optree.PyTreeSpec, leaves: Sequence[Any], options: tuple[float, float]
+    treespec: optree.PyTreeSpec, leaves: Sequence[Any], options: tuple[Any, ...]
 ) -> BucketPlan:
     _check_grad_types(leaves, treespec)
     paths = [_tree.path_str(p) for p in treespec.paths()]
@@ -114,16 +152,60 @@ def _plan_from_leaves(
         None if leaf is None else leaf_spec(path, leaf)
         for path, leaf in zip(paths, leaves, strict=True)
     ]
-    bucket_cap_mb, first_bucket_mb = options
-    return plan_from_specs(
-        treespec, specs, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb
+    bucket_cap_mb, first_bucket_mb, reduce_dtype = options
+    plan = plan_from_specs(
+        treespec,
+        specs,
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_mb=first_bucket_mb,
+        reduce_dtype=reduce_dtype,
     )
+    _check_one_device(plan)
+    return plan
 
 
-def _context(plan: BucketPlan, group: _comm.Group) -> SyncContext:
-    dense = tuple(spec for spec in plan.specs if not spec.sparse)
+def _control(
+    leaves: Sequence[Any],
+    plan: BucketPlan,
+    group: _comm.Group,
+    *,
+    active: bool,
+    divide_by: DivideBy,
+    find_unused: bool,
+) -> tuple[list[bool] | None, int | torch.Tensor]:
+    """The one small collective for unused leaves and contributing ranks, if needed.
+
+    Returns which leaves some rank used (``None`` unless ``find_unused``) and the
+    divisor of a mean: the world size, or the number of active ranks as a 0-d
+    tensor (at least 1, so a step where nobody contributes yields zeros).
+    """
     world_size = _comm.size(group)
-    return SyncContext(plan, dense, group, _comm.rank(group), world_size, world_size)
+    if not find_unused and divide_by == "world":
+        return None, world_size
+    if find_unused and torch.compiler.is_compiling():
+        raise ValueError(
+            "find_unused=True cannot run inside torch.compile: whether a leaf comes back None "
+            "depends on the other ranks at run time. Sync eagerly, or use find_unused=False "
+            "(unused leaves then count as zero gradients)."
+        )
+    tensor_leaves = [i for i, spec in enumerate(plan.leaves) if spec is not None]
+    flags = [int(active and leaves[i] is not None) for i in tensor_leaves] if find_unused else []
+    flags.append(int(active))
+    device = plan.specs[0].device if plan.specs else _comm.default_device(group)
+    counts = _comm.wait(
+        _comm.all_reduce(torch.tensor(flags, dtype=torch.int32, device=device), "sum", group)
+    )
+    divisor: int | torch.Tensor = world_size
+    if divide_by == "active":
+        divisor = counts[-1].clamp(min=1)
+    used = None
+    if find_unused:
+        used_leaves = set()
+        for i, n in zip(tensor_leaves, counts[:-1].tolist(), strict=True):
+            if n:
+                used_leaves.add(i)
+        used = [i in used_leaves for i in range(len(plan.leaves))]
+    return used, divisor
 
 
 def _reduce(
@@ -131,19 +213,42 @@ def _reduce(
     plan: BucketPlan,
     hook: Hook,
     hook_state: Any,
-    ctx: SyncContext,
+    group: _comm.Group,
+    *,
+    active: bool = True,
+    divide_by: DivideBy = "world",
+    find_unused: bool = False,
 ) -> tuple[list[torch.Tensor | None], Any]:
     """pack -> hook -> unpack over checked leaves; returns new leaves and hook state."""
-    if any(spec.sparse for spec in plan.specs):
-        raise TypeError(
-            "sparse gradients are not supported by this version of fsync; use "
-            "nn.Embedding(sparse=False)."
-        )
+    sparse = [spec for spec in plan.specs if spec.sparse]
+    if sparse and torch.compiler.is_compiling():
+        leaf = plan.leaves[sparse[0].leaves[0]]
+        assert leaf is not None
+        raise TypeError(_sparse.SPARSE_UNDER_COMPILE.format(path=leaf.path))
+    if not active:
+        leaves = [None] * len(leaves)
+    used, divisor = _control(
+        leaves, plan, group, active=active, divide_by=divide_by, find_unused=find_unused
+    )
+    dense_specs = tuple(spec for spec in plan.specs if not spec.sparse)
+    ctx = SyncContext(plan, dense_specs, group, _comm.rank(group), _comm.size(group), divisor)
     buffers = _pack.pack_leaves(leaves, plan)
-    dense, hook_state = hook.apply(buffers, hook_state, ctx)
+    dense, hook_state = hook.apply(
+        [b for b, spec in zip(buffers, plan.specs, strict=True) if not spec.sparse],
+        hook_state,
+        ctx,
+    )
     dense = [_comm.wait(b) for b in dense]
-    _pack.check_buffers(dense, ctx.buckets, plan, "hook output")
-    return _pack.unpack_leaves(dense, plan), hook_state
+    _pack.check_buffers(dense, dense_specs, plan, "hook output")
+    reduced = iter(dense)
+    buffers = [
+        _sparse.sparse_mean(b, ctx) if spec.sparse else next(reduced)
+        for b, spec in zip(buffers, plan.specs, strict=True)
+    ]
+    out = _pack.unpack_leaves(buffers, plan)
+    if used is not None:
+        out = [leaf if keep else None for leaf, keep in zip(out, used, strict=True)]
+    return out, hook_state
 
 
 def sync_grads(
@@ -154,6 +259,9 @@ def sync_grads(
     group: _comm.Group = None,
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
+    reduce_dtype: torch.dtype | None = None,
+    active: bool = True,
+    divide_by: DivideBy = "world",
 ) -> Any:
     """Synchronises a gradient tree across ranks: DDP's bucketed all-reduce as a function.
 
@@ -163,17 +271,27 @@ def sync_grads(
     layouts. The plan is cached by tree metadata, so repeated calls do no
     planning; the first call with a new plan checks with one small collective
     that every rank has the same plan. Works eagerly and inside
-    ``torch.compile(fullgraph=True)``. Nothing passed in is modified.
+    ``torch.compile(fullgraph=True)`` (sparse leaves eagerly only). Nothing
+    passed in is modified.
 
     Args:
         grads: A pytree of floating point gradient tensors (``None`` leaves
-            stay ``None``).
+            stay ``None``; sparse COO leaves are averaged by all-gather).
         hook: A stateless :class:`Hook`; stateful hooks (PowerSGD, ...) need
             :class:`GradSync`. Default: ``fsync.ops.allreduce("mean")``.
         group: ``None`` for the default process group, a ``ProcessGroup``, a
             1-D ``DeviceMesh`` or a ``(DeviceMesh, dim)`` pair.
         bucket_cap_mb: Bucket size limit in MiB.
         first_bucket_mb: Size limit of the first bucket in MiB.
+        reduce_dtype: Reduce the floating point gradients in this dtype and
+            return them in their own (``torch.float32`` for bf16 gradients;
+            ``torch.bfloat16`` to halve the traffic of fp32 ones). ``None``
+            reduces each in its own dtype.
+        active: ``False`` on a rank that has no data this step (uneven inputs,
+            DDP's ``join``): it contributes zeros and receives the result.
+        divide_by: ``"world"`` divides the sum by the world size (DDP's
+            ``divide_by_initial_world_size=True``); ``"active"`` by the number
+            of ranks with ``active=True``, which costs one small collective.
 
     Returns:
         The synchronised gradients, as a tree like ``grads``.
@@ -181,8 +299,9 @@ def sync_grads(
     Raises:
         TypeError: A leaf is not a tensor or not a floating point tensor, or the
             hook is not a :class:`Hook`.
-        ValueError: A gradient requires grad, the hook keeps state, or the
-            ranks' trees differ (raised on every rank).
+        ValueError: A gradient requires grad, the hook keeps state, the leaves
+            are on several devices, or the ranks' trees differ (raised on every
+            rank).
 
     Example:
         >>> import torch, fsync
@@ -191,9 +310,11 @@ def sync_grads(
         tensor([1., 1.])
     """
     hook = check_hook(_DEFAULT_HOOK if hook is None else hook)
-    options = (bucket_cap_mb, first_bucket_mb)
-    check_bucket_options(*options)
+    check_bucket_options(bucket_cap_mb, first_bucket_mb)
+    check_reduce_dtype(reduce_dtype)
+    _check_call_options(active, divide_by)
     _comm.check_group(group)
+    options = (bucket_cap_mb, first_bucket_mb, reduce_dtype)
     leaves, treespec = _tree.flatten(grads)
     if torch.compiler.is_compiling():
         # Traced once per compile: the plan becomes constants of the graph.
@@ -208,13 +329,12 @@ def sync_grads(
             "this hook keeps state (its init returned tensors), which sync_grads would throw "
             "away after every call. Use fsync.GradSync(hook=...) and thread its state."
         )
-    ctx = _context(plan, group)
     if not torch.compiler.is_compiling():
         key = (plan.fingerprint, group)
         if key not in _VERIFIED:
             _verify.verify_plan(plan, group)
             _VERIFIED.add(key)
-    out, _ = _reduce(leaves, plan, hook, state, ctx)
+    out, _ = _reduce(leaves, plan, hook, state, group, active=active, divide_by=divide_by)
     return _tree.unflatten(treespec, out)
 
 
@@ -234,6 +354,14 @@ class GradSync:
             1-D ``DeviceMesh`` or a ``(DeviceMesh, dim)`` pair.
         bucket_cap_mb: Bucket size limit in MiB.
         first_bucket_mb: Size limit of the first bucket in MiB.
+        reduce_dtype: As for :func:`sync_grads`.
+        find_unused: Gradients may be ``None`` for parameters some ranks did not
+            use (DDP's ``find_unused_parameters=True``): one small collective per
+            step finds which leaves any rank used; a leaf used nowhere comes back
+            ``None``, one used somewhere is averaged over all ranks with zeros
+            from the others. Eager only. With ``False`` (default) a ``None``
+            gradient simply counts as zeros.
+        divide_by: As for :func:`sync_grads`.
 
     Example:
         >>> import torch, fsync
@@ -252,12 +380,22 @@ class GradSync:
         group: _comm.Group = None,
         bucket_cap_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
+        reduce_dtype: torch.dtype | None = None,
+        find_unused: bool = False,
+        divide_by: DivideBy = "world",
     ) -> None:
         self.hook = check_hook(_DEFAULT_HOOK if hook is None else hook)
         check_bucket_options(bucket_cap_mb, first_bucket_mb)
+        check_reduce_dtype(reduce_dtype)
+        _check_call_options(True, divide_by)
+        if not isinstance(find_unused, bool):
+            raise TypeError(f"find_unused must be a bool; got {find_unused!r}.")
         self.group = group
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_mb = first_bucket_mb
+        self.reduce_dtype = reduce_dtype
+        self.find_unused = find_unused
+        self.divide_by: DivideBy = divide_by
         self._plan: BucketPlan | None = None
 
     @property
@@ -280,8 +418,9 @@ class GradSync:
             The initial :class:`SyncState`.
 
         Raises:
-            ValueError: The ranks' trees differ (raised on every rank), or this
-                object was already initialised for a different tree.
+            ValueError: The ranks' trees differ (raised on every rank), the
+                leaves are on several devices, or this object was already
+                initialised for a different tree.
         """
         _comm.check_group(self.group)
         if isinstance(tree, BucketPlan):
@@ -293,25 +432,33 @@ class GradSync:
                 specs,
                 bucket_cap_mb=self.bucket_cap_mb,
                 first_bucket_mb=self.first_bucket_mb,
+                reduce_dtype=self.reduce_dtype,
             )
+        _check_one_device(plan)
         if self._plan is not None and plan != self._plan:
             raise ValueError(
                 "this GradSync was initialised for another tree; make one GradSync per tree."
             )
         _verify.verify_plan(plan, self.group, what="trees passed to GradSync.init")
+        _log_plan(plan, "GradSync.init")
         self._plan = plan
         return SyncState(
             fingerprint=torch.tensor(plan.fingerprint, dtype=torch.int64),
             hook=self.hook.init(plan),
         )
 
-    def __call__(self, grads: Any, state: SyncState, /) -> tuple[Any, SyncState]:
+    def __call__(
+        self, grads: Any, state: SyncState, /, *, active: bool = True
+    ) -> tuple[Any, SyncState]:
         """Syncs ``grads`` with the plan fixed at :meth:`init`.
 
         Args:
-            grads: Gradients shaped like the tree given to :meth:`init`; ``None``
-                leaves are packed as zeros.
+            grads: Gradients shaped like the tree given to :meth:`init` (``None``
+                leaves allowed, see ``find_unused``); may be ``None`` as a whole
+                when ``active=False``.
             state: The :class:`SyncState` from :meth:`init` or the previous call.
+            active: ``False`` on a rank with no data this step (uneven inputs):
+                it contributes zeros and receives the result.
 
         Returns:
             ``(grads, state)``: the synchronised gradients and the new state.
@@ -322,6 +469,7 @@ class GradSync:
                 grad, or ``state`` belongs to another plan.
         """
         plan = self.plan
+        _check_call_options(active, self.divide_by)
         if not isinstance(state, SyncState):
             raise TypeError(
                 f"state is a {type(state).__name__}; expected the SyncState returned by "
@@ -332,9 +480,21 @@ class GradSync:
                 "state belongs to another plan (its fingerprint differs); pass the state that "
                 "this GradSync's init returned."
             )
-        leaves, treespec = _tree.flatten(grads)
-        _check_grad_types(leaves, treespec)
-        _pack.check_leaves(leaves, treespec, plan, "grads")
-        _check_grads(leaves, plan)
-        out, hook_state = _reduce(leaves, plan, self.hook, state.hook, _context(plan, self.group))
-        return _tree.unflatten(treespec, out), SyncState(state.fingerprint, hook_state)
+        if grads is None and not active:
+            leaves: list[Any] = [None] * plan.num_leaves
+        else:
+            leaves, treespec = _tree.flatten(grads)
+            _check_grad_types(leaves, treespec)
+            _pack.check_leaves(leaves, treespec, plan, "grads")
+            _check_grads(leaves, plan)
+        out, hook_state = _reduce(
+            leaves,
+            plan,
+            self.hook,
+            state.hook,
+            self.group,
+            active=active,
+            divide_by=self.divide_by,
+            find_unused=self.find_unused,
+        )
+        return _tree.unflatten(plan.structure(), out), SyncState(state.fingerprint, hook_state)

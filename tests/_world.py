@@ -48,7 +48,7 @@ def _worker(rank: int, size: int, init_file: str, pg_timeout: float, conn: Conne
         world_size=size,
         timeout=datetime.timedelta(seconds=pg_timeout),
     )
-    conn.send(("ready", None))
+    conn.send(("ok", "ready"))
     while True:
         try:
             message = conn.recv()
@@ -101,17 +101,30 @@ class World:
             conn.send((fn, args, kwargs))
         return self._collect(getattr(fn, "__name__", repr(fn)), timeout)
 
-    def run_each(
-        self,
-        calls: list[tuple[Callable[..., Any], tuple[Any, ...]]],
-        timeout: float = DEFAULT_TIMEOUT,
-    ) -> list[Any]:
-        """Runs a different call on each rank (``calls[rank]``); returns the results."""
-        for conn, (fn, args) in zip(self._conns, calls, strict=True):
+    def run_unchecked(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT
+    ) -> list[tuple[str, Any]]:
+        """Like :meth:`run` for fault tests: per rank ``("ok", result)``, ``("error",
+        traceback)`` or ``("died", exit code)``, and the world is closed afterwards."""
+        for conn in self._conns:
             conn.send((fn, args, {}))
-        return self._collect("run_each", timeout)
+        try:
+            return self._gather(timeout)
+        finally:
+            self.close()
 
     def _collect(self, what: str, timeout: float) -> list[Any]:
+        results = self._gather(timeout, what)
+        errors = [f"--- rank {r} ---\n{v}" for r, (kind, v) in enumerate(results) if kind != "ok"]
+        if errors:
+            # A failed rank may have left its peers mid-collective: start afresh.
+            self.close()
+            raise RankFailedError(
+                f"{what} failed on {len(errors)} of {self.size} ranks:\n" + "\n".join(errors)
+            )
+        return [value for _, value in results]
+
+    def _gather(self, timeout: float, what: str = "the call") -> list[tuple[str, Any]]:
         deadline = time.monotonic() + timeout
         results: dict[int, tuple[str, Any]] = {}
         while len(results) < self.size:
@@ -130,20 +143,9 @@ class World:
                 try:
                     results[rank] = conn.recv()
                 except EOFError:
-                    results[rank] = (
-                        "error",
-                        f"rank {rank} died (exit code {self._procs[rank].exitcode})",
-                    )
-        errors = [
-            f"--- rank {r} ---\n{v}" for r, (kind, v) in sorted(results.items()) if kind == "error"
-        ]
-        if errors:
-            # A failed rank may have left its peers mid-collective: start afresh.
-            self.close()
-            raise RankFailedError(
-                f"{what} failed on {len(errors)} of {self.size} ranks:\n" + "\n".join(errors)
-            )
-        return [results[r][1] for r in range(self.size)]
+                    self._procs[rank].join(timeout=5.0)
+                    results[rank] = ("died", self._procs[rank].exitcode)
+        return [results[r] for r in range(self.size)]
 
     def close(self) -> None:
         for conn in self._conns:

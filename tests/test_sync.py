@@ -16,30 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fsync
 from fsync import _sync
 from tests._models import func_loss, params_of, ref_batch, ref_loss, ref_model
+from tests._numerics import gathered, summation_bound
 from tests._world import World
-
-
-def _gathered(tree):
-    """Every rank's copy of a dict of tensors: {name: [rank0, rank1, ...]}."""
-    out = {}
-    for name, t in tree.items():
-        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, t.contiguous())
-        out[name] = parts
-    return out
-
-
-def _summation_bound(parts, world_size):
-    """How far two summation orders of ``sum(g * (1/W))`` may be apart, elementwise.
-
-    Summing W terms in floating point is within (W - 1) * u * sum|terms| of the
-    exact sum (u = eps / 2), so two different orders are within
-    (W - 1) * eps * sum|terms| of each other.
-    """
-    eps = torch.finfo(parts[0].dtype).eps
-    terms = torch.stack([p * (1.0 / world_size) for p in parts]).abs().sum(0)
-    return (world_size - 1) * eps * terms
-
 
 # --- parity with DDP -----------------------------------------------------------------------
 
@@ -73,7 +51,7 @@ def _on_rank_ddp_parity(cap):
     state = same_layout.init(fsync.plan_buckets(params_of(model), order=ddp_order, **options))
     synced_ddp_layout, _ = same_layout(grads, state)
 
-    bound = {n: _summation_bound(parts, world_size) for n, parts in _gathered(grads).items()}
+    bound = {n: summation_bound(parts, world_size) for n, parts in gathered(grads).items()}
     report = {}
     for name, ref in ddp_grads.items():
         assert synced[name].stride() == ref.stride(), name  # channels_last stays channels_last
@@ -103,7 +81,7 @@ def _on_rank_exact_mean(bucket_cap_mb):
         for i, (name, shape) in enumerate(shapes.items())
     }
     synced = fsync.sync_grads(grads, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
-    for name, parts in _gathered(grads).items():
+    for name, parts in gathered(grads).items():
         exact = torch.stack([p.double() * (1.0 / world_size) for p in parts]).sum(0)
         # Each term is rounded once (x * 1/W) and the sum W - 1 times, all in the
         # gradient's dtype: within W * eps * sum|terms| of the exact mean.
@@ -374,18 +352,3 @@ def _on_rank_no_collective(monkeypatch_target):
 def test_world_size_one_issues_no_collective(world: World):
     counts = world.run(_on_rank_no_collective, "all_reduce")
     assert counts == ([0] if world.size == 1 else [2, 2])
-
-
-def _on_rank_subgroup():
-    rank = dist.get_rank()
-    members = [0, 2]
-    group = dist.new_group(members)
-    grads = {"w": torch.full((5,), float(rank))}
-    if rank in members:
-        out = fsync.sync_grads(grads, group=group)
-        assert torch.equal(out["w"], torch.full((5,), 1.0))  # mean of ranks 0 and 2
-
-
-@pytest.mark.parametrize("world", [3], indirect=True)
-def test_subgroup(world: World):
-    world.run(_on_rank_subgroup)

@@ -1,0 +1,67 @@
+"""Groups: the default group, new_group subsets, DeviceMesh dimensions, one rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import fsync
+from tests._world import World
+
+
+def _on_rank_mesh():
+    rank = dist.get_rank()
+    # Ranks 0..3 as a 2 x 2 mesh: dim 0 ("dp") pairs {0, 2} and {1, 3}.
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    grads = {"w": torch.full((3, 2), float(rank)), "b": torch.full((2,), float(rank) * 10)}
+    partner = (rank + 2) % 4
+    for group in ((mesh, 0), mesh["dp"]):
+        out = fsync.sync_grads(grads, group=group)
+        assert torch.equal(out["w"], torch.full((3, 2), (rank + partner) / 2)), group
+        assert torch.equal(out["b"], torch.full((2,), (rank + partner) * 5.0)), group
+    sync = fsync.GradSync(group=(mesh, 1))
+    out, _ = sync(grads, sync.init(grads))
+    tp_partner = rank ^ 1  # dim 1 pairs {0, 1} and {2, 3}
+    assert torch.equal(out["w"], torch.full((3, 2), (rank + tp_partner) / 2))
+    compiled = torch.compile(fsync.sync_grads, fullgraph=True)
+    out = compiled(grads, group=(mesh, 0))
+    assert torch.equal(out["w"], torch.full((3, 2), (rank + partner) / 2))
+    with pytest.raises(ValueError, match=r"a 2-D DeviceMesh needs a dim: pass group=\(mesh, dim\)"):
+        fsync.sync_grads(grads, group=mesh)
+    with pytest.raises(ValueError, match="mesh dim 2 is out of range for a 2-D DeviceMesh"):
+        fsync.sync_grads(grads, group=(mesh, 2))
+    with pytest.raises(TypeError, match=r"group tuple must be \(DeviceMesh, mesh_dim\)"):
+        fsync.sync_grads(grads, group=(mesh, "dp"))
+
+
+@pytest.mark.parametrize("world", [4], indirect=True)
+def test_device_mesh_dimension(world: World):
+    world.run(_on_rank_mesh, timeout=300)
+
+
+def _on_rank_subgroup():
+    rank = dist.get_rank()
+    members = [0, 2]
+    group = dist.new_group(members)
+    grads = {"w": torch.full((5,), float(rank))}
+    if rank in members:
+        out = fsync.sync_grads(grads, group=group)
+        assert torch.equal(out["w"], torch.full((5,), 1.0))  # mean of ranks 0 and 2
+        sync = fsync.GradSync(group=group)
+        out, _ = sync(grads, sync.init(grads))
+        assert torch.equal(out["w"], torch.full((5,), 1.0))
+        params = fsync.broadcast(grads, src=1, group=group)  # src counts within the group
+        assert torch.equal(params["w"], torch.full((5,), 2.0))
+
+
+@pytest.mark.parametrize("world", [3], indirect=True)
+def test_new_group_subset(world: World):
+    world.run(_on_rank_subgroup)
+
+
+def test_group_must_be_initialised(monkeypatch):
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialised"):
+        fsync.sync_grads({"w": torch.ones(1)})

@@ -1,0 +1,128 @@
+"""Faults and awkward input: no hang, no garbage, no mutation, clear errors."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsync
+from tests._numerics import gathered, summation_bound
+from tests._world import World
+
+PG_TIMEOUT = 4.0
+
+
+def _on_rank_one_skips_sync(mode):
+    rank = dist.get_rank()
+    if rank == 1:
+        if mode == "dies":
+            os._exit(3)
+        return "skipped"  # never calls the sync
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="an fsync collective failed") as error:
+        fsync.sync_grads({"w": torch.ones(3)})
+    return time.monotonic() - started, str(error.value)
+
+
+@pytest.mark.parametrize("mode", ["skips", "dies"])
+def test_peer_that_never_syncs_fails_within_the_timeout(mode):
+    world = World(2, pg_timeout=PG_TIMEOUT)
+    results = world.run_unchecked(_on_rank_one_skips_sync, mode, timeout=60)
+    kind, value = results[0]
+    assert kind == "ok", value
+    elapsed, message = value
+    # gloo gives up after the group's timeout (or at once when the peer's socket closes);
+    # the slack covers process scheduling on a loaded machine.
+    assert elapsed < PG_TIMEOUT + 20, elapsed
+    assert "process group's timeout" in message
+    assert results[1] == (("died", 3) if mode == "dies" else ("ok", "skipped"))
+
+
+def _on_rank_awkward_input():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    grads = {
+        "expanded": torch.randn(3, 1, generator=g).expand(3, 4),  # stride 0
+        "strided": torch.randn(4, 6, generator=g)[:, ::2],  # a slice with gaps
+        "transposed": torch.randn(5, 3, generator=g).t(),
+        "empty": torch.randn(0, 3, generator=g),
+        "scalar": torch.randn((), generator=g),
+    }
+    dense = {k: v.contiguous() for k, v in grads.items()}
+    out = fsync.sync_grads(grads)
+    for name, parts in gathered(dense).items():
+        expected = torch.stack([p * (1.0 / world_size) for p in parts]).sum(0)
+        # The same terms; only the order of the sum may differ.
+        bound = summation_bound(parts, world_size)
+        assert torch.all((out[name] - expected).abs() <= bound), name
+    assert out["transposed"].stride() == grads["transposed"].stride()
+
+    # Empty trees and trees of None are fine and communicate nothing but the check.
+    assert fsync.sync_grads({}) == {}
+    assert fsync.sync_grads({"a": None, "b": [None]}) == {"a": None, "b": [None]}
+    sync = fsync.GradSync()
+    assert sync(({}), sync.init({}))[0] == {}
+
+    with pytest.raises(ValueError, match=r"leaves are on several devices: cpu \('a'\), meta"):
+        fsync.sync_grads({"a": torch.ones(1), "b": torch.ones(1, device="meta")})
+    with pytest.raises(ValueError, match=r"leaves are on several devices"):
+        fsync.GradSync().init({"a": torch.ones(1), "b": torch.ones(1, device="meta")})
+
+
+@pytest.mark.parametrize("world", [3], indirect=True)
+def test_awkward_but_valid_input(world: World):
+    world.run(_on_rank_awkward_input)
+
+
+def _checksums(tree):
+    leaves, _ = fsync._tree.flatten(tree)
+    return [
+        None if x is None else (x.clone(), x.stride(), x.data_ptr(), x._version) for x in leaves
+    ]
+
+
+def _assert_untouched(tree, sums):
+    for x, saved in zip(fsync._tree.flatten(tree)[0], sums, strict=True):
+        if x is None:
+            assert saved is None
+            continue
+        value, stride, ptr, version = saved
+        assert torch.equal(x, value) and x.stride() == stride and x.data_ptr() == ptr
+        assert x._version == version  # not even written with the same values
+
+
+def _on_rank_no_mutation():
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    grads = {
+        "w": torch.randn(4, 3, generator=g),
+        "c": torch.randn(2, 3, 2, 2, generator=g).to(memory_format=torch.channels_last),
+        "h": torch.randn(5, generator=g).to(torch.bfloat16),
+    }
+    params = {k: v.clone() for k, v in grads.items()}
+    buffers = {"mean": torch.randn(3, generator=g), "count": torch.tensor(rank)}
+    inputs = (grads, params, buffers)
+    sums = [_checksums(t) for t in inputs]
+
+    fsync.sync_grads(grads)
+    fsync.sync_grads(grads, reduce_dtype=torch.float32, active=rank == 0, divide_by="active")
+    sync = fsync.GradSync(find_unused=True)
+    sync(grads, sync.init(params))
+    fsync.broadcast(params)
+    fsync.sync_buffers(buffers, mode="mean")
+    fsync.verify(params)
+    fsync.accumulate(grads, grads)
+    plan = fsync.plan_buckets(params)
+    fsync.unpack(fsync.pack(grads, plan), plan)
+    torch.compile(fsync.sync_grads, fullgraph=True)(grads)
+    for tree, saved in zip(inputs, sums, strict=True):
+        _assert_untouched(tree, saved)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_no_input_is_modified(world: World):
+    world.run(_on_rank_no_mutation, timeout=300)

@@ -1,0 +1,67 @@
+"""sync_stats: bytes and collectives per step, measured on the real code path."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import fsync
+
+
+def _tree():
+    return {
+        "w": torch.zeros(256, 64),
+        "b": torch.zeros(64),
+        "h": torch.zeros(10, dtype=torch.bfloat16),
+    }
+
+
+def test_allreduce_puts_the_buckets_on_the_wire():
+    stats = fsync.sync_stats(_tree(), world_size=4)
+    assert stats.buckets == 2 and stats.num_collectives == 2
+    assert stats.bytes_reduced == stats.bytes_on_wire == (256 * 64 + 64) * 4 + 10 * 2
+    assert stats.compression == 1.0
+    assert [c.op for c in stats.collectives] == ["all_reduce", "all_reduce"]
+    text = str(stats)
+    assert "2 buckets" in text and "1 x all_reduce bfloat16" in text and "compression 1.00x" in text
+
+
+def test_one_rank_communicates_nothing():
+    stats = fsync.sync_stats(_tree(), world_size=1)
+    assert stats.num_collectives == 0 and stats.bytes_on_wire == 0
+
+
+def test_counts_what_a_custom_hook_sends():
+    def apply(buckets, state, ctx):
+        # An all-gather of every bucket in bf16, then a local mean.
+        out = []
+        for b in buckets:
+            gathered = fsync._comm.all_gather(b.to(torch.bfloat16), ctx.group)
+            out.append(gathered.view(ctx.world_size, -1).float().mean(0).to(b.dtype))
+        return out, state
+
+    hook = fsync.Hook(lambda plan: (), apply)
+    stats = fsync.sync_stats({"w": torch.zeros(1000)}, hook=hook, world_size=3)
+    assert [(c.op, c.dtype, c.numel) for c in stats.collectives] == [
+        ("all_gather", torch.bfloat16, 1000)
+    ]
+    assert stats.compression == 2.0
+
+
+def test_plan_and_options():
+    plan = fsync.plan_buckets(_tree(), reduce_dtype=torch.bfloat16)
+    stats = fsync.sync_stats(plan, world_size=2)
+    assert stats.buckets == 1 and stats.bytes_on_wire == (256 * 64 + 64 + 10) * 2
+    small = fsync.sync_stats(_tree(), bucket_cap_mb=0.01, first_bucket_mb=1e-4)
+    assert small.num_collectives == 3
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        fsync.sync_stats(_tree(), world_size=0)
+
+
+def test_plan_is_logged_at_debug(single_rank, caplog):
+    with caplog.at_level(logging.DEBUG, logger="fsync"):
+        fsync.GradSync().init({"w": torch.zeros(4)})
+    assert "GradSync.init planned 1 buckets" in caplog.text
+    assert "BucketPlan: 1 tensor leaves in 1 buckets" in caplog.text
