@@ -379,18 +379,22 @@ def leaf_key(leaf: LeafSpec, /) -> str:
 
 
 def check_bucket_options(bucket_cap_mb: float, first_bucket_mb: float) -> None:
-    """Raises ``ValueError`` unless both sizes are finite and positive (first may be 0)."""
-    for name, value, low in (
-        ("bucket_cap_mb", bucket_cap_mb, 0.0),
-        ("first_bucket_mb", first_bucket_mb, -1.0),
+    """Raises unless ``bucket_cap_mb > 0`` and ``first_bucket_mb >= 0``, both finite numbers."""
+    for name, value, allow_zero in (
+        ("bucket_cap_mb", bucket_cap_mb, False),
+        ("first_bucket_mb", first_bucket_mb, True),
     ):
+        bound = "non-negative" if allow_zero else "positive"
         if (
             isinstance(value, bool)
             or not isinstance(value, int | float)
-            or not math.isfinite(value)
-            or value <= low
+            # Comparisons rather than math.isfinite: under torch.compile a float that
+            # changed between calls arrives symbolic, and comparisons on it trace.
+            or value != value  # NaN
+            or value in (math.inf, -math.inf)
+            or value < 0
+            or (value == 0 and not allow_zero)
         ):
-            bound = "positive" if low == 0.0 else "non-negative"
             raise ValueError(f"{name} must be a finite {bound} number of MiB; got {value!r}.")
 
 

@@ -141,7 +141,7 @@ def test_sparse_leaf_alone_and_in_table():
     tree = {"emb": torch.zeros(10, 4).to_sparse(), "w": torch.zeros(4), "v": torch.zeros(4)}
     plan = fsync.plan_buckets(tree)
     assert plan.buckets == ((2, 1), (0,))
-    assert plan.specs[1].sparse and plan.leaves[0].layout == "sparse"
+    assert plan.specs[1].sparse and plan.leaves[0].layout == "sparse (2 sparse dims)"
     assert "(sparse)" in str(plan)
 
 

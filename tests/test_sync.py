@@ -168,12 +168,13 @@ def _on_rank_compiled_sync_bitwise():
     grads = torch.func.grad(func_loss(model))(params_of(model), ref_batch(rank))
     checksum = {k: v.clone() for k, v in grads.items()}
     compiled = torch.compile(fsync.sync_grads, fullgraph=True)
-    for _ in range(2):
-        out = compiled(grads, bucket_cap_mb=0.001, first_bucket_mb=0.001)
-    ref = fsync.sync_grads(grads, bucket_cap_mb=0.001, first_bucket_mb=0.001)
-    for k in grads:
-        assert torch.equal(out[k], ref[k]) and out[k].stride() == ref[k].stride(), k
-        assert torch.equal(grads[k], checksum[k]), k
+    # Other bucket sizes on later calls: dynamo then passes them as symbolic floats.
+    for cap in (0.001, 0.001, 25.0):
+        out = compiled(grads, bucket_cap_mb=cap, first_bucket_mb=cap)
+        ref = fsync.sync_grads(grads, bucket_cap_mb=cap, first_bucket_mb=cap)
+        for k in grads:
+            assert torch.equal(out[k], ref[k]) and out[k].stride() == ref[k].stride(), k
+            assert torch.equal(grads[k], checksum[k]), k
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)
