@@ -1,6 +1,9 @@
 """fsync: gradient synchronisation for data-parallel PyTorch as a pure function over a pytree.
 
->>> grads = fsync.sync_grads(grads)  # doctest: +SKIP
+Inside a functional train step, ``grads = fsync.sync_grads(grads)`` does what DDP's
+Reducer does (bucketed all-reduce mean, DDP's bucket layout and scaling), eagerly or
+under ``torch.compile(fullgraph=True)``. Hooks (``fsync.ops``) transform the buckets;
+``fsync.GradSync`` threads their state.
 """
 
 from fsync import ops

@@ -160,7 +160,8 @@ def all_reduce(x: torch.Tensor, op: str, group: Group) -> torch.Tensor:
     if _recording is not None:
         _record("all_reduce", x)
         return x.clone()
-    return funcol.all_reduce(x, op, _funcol_group(group))
+    reduced: torch.Tensor = funcol.all_reduce(x, op, _funcol_group(group))
+    return reduced
 
 
 def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
@@ -169,7 +170,8 @@ def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
         return x
     if _recording is not None:
         return torch.cat([x] * _record("all_gather", x).world_size)
-    return _all_gather(x, 0, _funcol_group(group))
+    gathered: torch.Tensor = _all_gather(x, 0, _funcol_group(group))
+    return gathered
 
 
 def reduce_scatter(x: torch.Tensor, op: str, group: Group) -> torch.Tensor:
@@ -179,7 +181,8 @@ def reduce_scatter(x: torch.Tensor, op: str, group: Group) -> torch.Tensor:
     if _recording is not None:
         recorded = _record("reduce_scatter", x)
         return x.chunk(recorded.world_size)[recorded.rank].clone()
-    return _reduce_scatter(x, op, 0, _funcol_group(group))
+    shard: torch.Tensor = _reduce_scatter(x, op, 0, _funcol_group(group))
+    return shard
 
 
 def broadcast(x: torch.Tensor, src: int, group: Group) -> torch.Tensor:
@@ -189,7 +192,8 @@ def broadcast(x: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     if _recording is not None:
         _record("broadcast", x)
         return x.clone()
-    return funcol.broadcast(x, src, _funcol_group(group))
+    received: torch.Tensor = funcol.broadcast(x, src, _funcol_group(group))
+    return received
 
 
 def wait(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ threaded through explicitly, so it can be checkpointed and traced.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -96,7 +96,7 @@ def check_hook(hook: Any, /) -> Hook:
             f"hook is a {type(hook).__name__}; expected an fsync.Hook(init, apply), such as "
             "fsync.ops.allreduce()."
         )
-    return hook
+    return cast(Hook, hook)
 
 
 def chain(*hooks: Hook) -> Hook:

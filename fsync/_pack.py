@@ -172,7 +172,7 @@ def unpack_leaves(buffers: Sequence[torch.Tensor], plan: BucketPlan) -> list[tor
         if spec.sparse:
             leaves[spec.leaves[0]] = buffer
             continue
-        for i, piece in zip(spec.leaves, torch.split(buffer, spec.sizes), strict=True):
+        for i, piece in zip(spec.leaves, torch.split(buffer, list(spec.sizes)), strict=True):
             leaf = plan.leaves[i]
             assert leaf is not None
             leaves[i] = _shape(piece, leaf).to(leaf.dtype)

@@ -189,9 +189,11 @@ def compute_bucket_assignment_by_size(
 
     Example:
         >>> import torch, fsync
-        >>> tensors = [torch.zeros(100), torch.zeros(100, dtype=torch.float64), torch.zeros(300)]
-        >>> fsync.compute_bucket_assignment_by_size(tensors, [400, 1000])
-        [[0], [1, 2]]
+        >>> f32, f64 = torch.float32, torch.float64
+        >>> sizes = [(50, f32), (100, f64), (300, f32), (10, f32)]
+        >>> tensors = [torch.zeros(n, dtype=dtype) for n, dtype in sizes]
+        >>> fsync.compute_bucket_assignment_by_size(tensors, [400, 2000])
+        [[0, 2], [1], [3]]
     """
     limits = _check_limits(size_limits)
     for i, tensor in enumerate(tensors):

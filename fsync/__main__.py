@@ -1,0 +1,67 @@
+"""``python -m fsync``: versions, available backends and a one-line self-check."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import optree
+import torch
+import torch.distributed as dist
+
+import fsync
+
+
+def _backends() -> str:
+    names = {
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available() and torch.cuda.is_available(),
+        "mpi": dist.is_mpi_available(),
+        "ucc": dist.is_ucc_available(),
+    }
+    return ", ".join(name for name, ok in names.items() if ok) or "none"
+
+
+def _self_check() -> str:
+    """Plans, packs, syncs and unpacks a small tree on a one-rank gloo group."""
+    tree = {
+        "conv": torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last),
+        "bias": torch.randn(4, dtype=torch.bfloat16),
+        "unused": None,
+    }
+    plan = fsync.plan_buckets(tree)
+    back = fsync.unpack(fsync.pack(tree, plan), plan)
+    with tempfile.TemporaryDirectory() as tmp:
+        owns_group = not dist.is_initialized()
+        if owns_group:
+            init = f"file://{os.path.join(tmp, 'init')}"
+            dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
+        try:
+            synced = fsync.sync_grads(tree)
+        finally:
+            if owns_group:
+                dist.destroy_process_group()
+    for out in (back, synced):
+        assert out["unused"] is None
+        assert torch.equal(out["bias"], tree["bias"]) and torch.equal(out["conv"], tree["conv"])
+        assert out["conv"].is_contiguous(memory_format=torch.channels_last)
+    return f"self-check ok: {len(plan.buckets)} buckets planned, packed, synced and unpacked"
+
+
+def main() -> int:
+    print(f"fsync {fsync.__version__}")
+    print(
+        f"torch {torch.__version__}, optree {optree.__version__}, Python {sys.version.split()[0]}"
+    )
+    print(f"backends: {_backends()}")
+    try:
+        print(_self_check())
+    except Exception as error:  # report, do not hide: the exit status says it failed
+        print(f"self-check FAILED: {type(error).__name__}: {error}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""``python -m fsync`` and the installed package."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import fsync
+
+
+def test_python_m_fsync_reports_and_self_checks():
+    out = subprocess.run(
+        [sys.executable, "-m", "fsync"], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.splitlines()
+    assert out[0] == f"fsync {fsync.__version__}"
+    assert out[1].startswith("torch ") and "optree" in out[1]
+    assert "gloo" in out[2]
+    assert out[3].startswith("self-check ok:")
+
+
+def test_public_names_are_exported_and_documented():
+    import fsync.ops
+
+    for module in (fsync, fsync.ops):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if name.startswith("__") or isinstance(obj, type(fsync)):
+                continue
+            assert obj.__doc__ and obj.__doc__.strip(), f"{module.__name__}.{name} has no docstring"
