@@ -25,7 +25,7 @@ def _backends() -> str:
 
 def _self_check() -> str:
     """Plans, packs, syncs and unpacks a small tree on a one-rank gloo group."""
-    tree = {
+    tree: dict[str, torch.Tensor | None] = {
         "conv": torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last),
         "bias": torch.randn(4, dtype=torch.bfloat16),
         "unused": None,
@@ -43,9 +43,13 @@ def _self_check() -> str:
             if owns_group:
                 dist.destroy_process_group()
     for out in (back, synced):
-        assert out["unused"] is None
-        assert torch.equal(out["bias"], tree["bias"]) and torch.equal(out["conv"], tree["conv"])
-        assert out["conv"].is_contiguous(memory_format=torch.channels_last)
+        if out["unused"] is not None or not out["conv"].is_contiguous(
+            memory_format=torch.channels_last
+        ):
+            raise AssertionError("the tree came back with another structure or layout")
+        for name in ("conv", "bias"):
+            if not torch.equal(out[name], tree[name]):
+                raise AssertionError(f"leaf {name!r} came back with other values")
     return f"self-check ok: {len(plan.buckets)} buckets planned, packed, synced and unpacked"
 
 
