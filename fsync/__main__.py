@@ -25,11 +25,9 @@ def _backends() -> str:
 
 def _self_check() -> str:
     """Plans, packs, syncs and unpacks a small tree on a one-rank gloo group."""
-    tree: dict[str, torch.Tensor | None] = {
-        "conv": torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last),
-        "bias": torch.randn(4, dtype=torch.bfloat16),
-        "unused": None,
-    }
+    conv = torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last)
+    bias = torch.randn(4, dtype=torch.bfloat16)
+    tree = {"conv": conv, "bias": bias, "unused": None}
     plan = fsync.plan_buckets(tree)
     back = fsync.unpack(fsync.pack(tree, plan), plan)
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,8 +45,8 @@ def _self_check() -> str:
             memory_format=torch.channels_last
         ):
             raise AssertionError("the tree came back with another structure or layout")
-        for name in ("conv", "bias"):
-            if not torch.equal(out[name], tree[name]):
+        for name, value in (("conv", conv), ("bias", bias)):
+            if not torch.equal(out[name], value):
                 raise AssertionError(f"leaf {name!r} came back with other values")
     return f"self-check ok: {len(plan.buckets)} buckets planned, packed, synced and unpacked"
 
