@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -16,6 +18,21 @@ def test_python_m_fsync_reports_and_self_checks():
     assert out[1].startswith("torch ") and "optree" in out[1]
     assert "gloo" in out[2]
     assert out[3].startswith("self-check ok:")
+
+
+def test_every_public_name_is_in_the_api_reference():
+    api = (pathlib.Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"^::: (fsync[\w.]*)$", api, flags=re.M))
+    import fsync.ops
+
+    public = {
+        f"{module.__name__}.{name}"
+        for module in (fsync, fsync.ops)
+        for name in module.__all__
+        if not name.startswith("__") and not isinstance(getattr(module, name), type(fsync))
+    }
+    assert public - documented == set(), "add these to docs/api.md"
+    assert documented - public == set(), "docs/api.md names something that is not public"
 
 
 def test_public_names_are_exported_and_documented():
