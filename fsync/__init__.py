@@ -3,7 +3,7 @@
 >>> grads = fsync.sync_grads(grads)  # doctest: +SKIP
 """
 
-from fsync import ops
+from fsync import ops, optim
 from fsync._broadcast import broadcast, sync_buffers
 from fsync._hook import Hook, SyncContext, chain
 from fsync._pack import pack, unpack
@@ -32,6 +32,7 @@ __all__ = [
     "chain",
     "compute_bucket_assignment_by_size",
     "ops",
+    "optim",
     "pack",
     "plan_buckets",
     "sync_buffers",
