@@ -116,7 +116,7 @@ def sgd(
                 buf = torch.where(first.to(g.device), g, later)
                 g = torch.add(g, buf, alpha=momentum) if nesterov else buf
             if isinstance(neg_lr, torch.Tensor):
-                p = torch.addcmul(p, g, neg_lr)
+                p = torch.addcmul(p, g, neg_lr.to(p.device))
             else:
                 p = torch.add(p, g, alpha=neg_lr)
             new_p.append(p)
