@@ -89,8 +89,11 @@ def _adam(
             elif weight_decay:
                 g = torch.add(g, p, alpha=weight_decay)
             m = torch.lerp(m, g, 1 - beta1)
+            # In-place operations only on tensors made here, never on the inputs.
+            # (Not addcmul_: functionalization would split it into a multiply and
+            # an add, two roundings where the kernel makes one.)
             v = torch.addcmul(torch.mul(v, beta2), g, g, value=1 - beta2)
-            denom = torch.add(torch.div(torch.sqrt(v), bias_correction2_sqrt), eps)
+            denom = torch.sqrt(v).div_(bias_correction2_sqrt).add_(eps)
             new_p.append(addcdiv(p, m, denom, neg_step_size))
             new_m.append(m)
             new_v.append(v)

@@ -107,10 +107,13 @@ def addcdiv(x: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor, value: Any) -> 
     ``torch.addcdiv`` takes its ``value`` only as a Python number; with a
     tensor the same arithmetic is spelled out: computed in the kernel's compute
     precision (float32 for 16-bit inputs), one rounding per operation, left to
-    right, and a single rounding back to ``x``'s dtype.
+    right, and a single rounding back to ``x``'s dtype. The result has
+    ``t1``'s memory layout.
     """
     compute = opmath(x.dtype)
-    return (x.to(compute) + t1.to(compute) * value / t2.to(compute)).to(x.dtype)
+    # One new tensor, updated in place: (t1 * value) / t2, then + x (a sum commutes).
+    out = torch.mul(t1.to(compute), value).div_(t2).add_(x)
+    return out.to(x.dtype)
 
 
 def check_state(state: Any, cls: type, name: str) -> None:

@@ -112,7 +112,7 @@ def sgd(
             if weight_decay:
                 g = torch.add(g, p, alpha=weight_decay)
             if momentum:
-                later = torch.add(torch.mul(buf, momentum), g, alpha=1 - dampening)
+                later = torch.mul(buf, momentum).add_(g, alpha=1 - dampening)
                 buf = torch.where(first.to(g.device), g, later)
                 g = torch.add(g, buf, alpha=momentum) if nesterov else buf
             if isinstance(neg_lr, torch.Tensor):
