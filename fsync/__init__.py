@@ -6,7 +6,7 @@ under ``torch.compile(fullgraph=True)``. Hooks (``fsync.ops``) transform the buc
 ``fsync.GradSync`` threads their state.
 """
 
-from fsync import ops
+from fsync import ops, optim
 from fsync._accumulate import accumulate
 from fsync._broadcast import broadcast, sync_buffers
 from fsync._hook import Hook, SyncContext, chain
@@ -39,6 +39,7 @@ __all__ = [
     "chain",
     "compute_bucket_assignment_by_size",
     "ops",
+    "optim",
     "pack",
     "plan_buckets",
     "sync_buffers",

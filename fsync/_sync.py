@@ -45,7 +45,7 @@ class SyncState(NamedTuple):
     hook: Any
 
 
-def _check_grads(leaves: Sequence[Any], plan: BucketPlan) -> None:
+def check_grads(leaves: Sequence[Any], plan: BucketPlan) -> None:
     """Raises unless every non-``None`` leaf can be a gradient."""
     for leaf, spec in zip(leaves, plan.leaves, strict=True):
         if leaf is None or spec is None:
@@ -64,7 +64,7 @@ def _check_grads(leaves: Sequence[Any], plan: BucketPlan) -> None:
             )
 
 
-def _check_grad_types(leaves: Sequence[Any], treespec: optree.PyTreeSpec) -> None:
+def check_grad_types(leaves: Sequence[Any], treespec: optree.PyTreeSpec) -> None:
     for i, leaf in enumerate(leaves):
         if leaf is not None and not isinstance(leaf, torch.Tensor):
             path = _tree.path_str(treespec.paths()[i])
@@ -146,7 +146,7 @@ _VERIFIED: set[tuple[int, Any]] = set()
 def _plan_from_leaves(
     treespec: optree.PyTreeSpec, leaves: Sequence[Any], options: tuple[Any, ...]
 ) -> BucketPlan:
-    _check_grad_types(leaves, treespec)
+    check_grad_types(leaves, treespec)
     paths = [_tree.path_str(p) for p in treespec.paths()]
     specs = [
         None if leaf is None else leaf_spec(path, leaf)
@@ -320,9 +320,9 @@ def sync_grads(
         # Traced once per compile: the plan becomes constants of the graph.
         plan = _plan_from_leaves(treespec, leaves, options)
     else:
-        _check_grad_types(leaves, treespec)
+        check_grad_types(leaves, treespec)
         plan = _PLANS.get(treespec, leaves, options)
-    _check_grads(leaves, plan)
+    check_grads(leaves, plan)
     state = hook.init(plan)
     if optree.tree_leaves(state, namespace=_tree.NAMESPACE):
         raise ValueError(
@@ -484,9 +484,9 @@ class GradSync:
             leaves: list[Any] = [None] * plan.num_leaves
         else:
             leaves, treespec = _tree.flatten(grads)
-            _check_grad_types(leaves, treespec)
+            check_grad_types(leaves, treespec)
             _pack.check_leaves(leaves, treespec, plan, "grads")
-            _check_grads(leaves, plan)
+            check_grads(leaves, plan)
         out, hook_state = _reduce(
             leaves,
             plan,

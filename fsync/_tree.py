@@ -14,6 +14,7 @@ the parameters fits the gradients:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -27,9 +28,14 @@ _INSERTION_ORDERED = optree.dict_insertion_ordered(True, namespace=NAMESPACE)
 _INSERTION_ORDERED.__enter__()
 
 
-def flatten(tree: Any, /) -> tuple[list[Any], optree.PyTreeSpec]:
-    """Flattens ``tree`` into leaves (``None`` included) and its structure."""
-    return optree.tree_flatten(tree, none_is_leaf=True, namespace=NAMESPACE)
+def flatten(
+    tree: Any, /, *, is_leaf: Callable[[Any], bool] | None = None
+) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Flattens ``tree`` into leaves (``None`` included) and its structure.
+
+    ``is_leaf`` stops the flattening at the subtrees it returns ``True`` for.
+    """
+    return optree.tree_flatten(tree, is_leaf, none_is_leaf=True, namespace=NAMESPACE)
 
 
 def flatten_with_paths(tree: Any, /) -> tuple[list[str], list[Any], optree.PyTreeSpec]:

@@ -1,5 +1,6 @@
-"""Hooks for :func:`fsync.sync_grads` and :class:`fsync.GradSync`."""
+"""Hooks for :func:`fsync.sync_grads` and :class:`fsync.GradSync`, and the ZeRO step."""
 
 from fsync.ops._allreduce import allreduce
+from fsync.ops._zero import ZeroState, ZeroStep, zero, zero_state_dict
 
-__all__ = ["allreduce"]
+__all__ = ["ZeroState", "ZeroStep", "allreduce", "zero", "zero_state_dict"]

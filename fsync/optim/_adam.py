@@ -1,0 +1,183 @@
+"""Adam and AdamW, as ``torch.optim.Adam`` and ``torch.optim.AdamW`` compute them."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from fsync import _tree
+from fsync._serialization import register_state
+from fsync.optim._base import (
+    LearningRate,
+    Optimizer,
+    addcdiv,
+    check_hyper,
+    check_lr,
+    check_params,
+    check_state,
+    flatten_update,
+    lr_value,
+    new_step,
+    zeros_like_tree,
+)
+
+
+@register_state
+class AdamState(NamedTuple):
+    """The state of :func:`adam` and :func:`adamw`.
+
+    Attributes:
+        step: 0-d int64 CPU tensor, the number of updates made so far.
+        exp_avg: A tree like the parameters: the first moment estimates.
+        exp_avg_sq: A tree like the parameters: the second moment estimates.
+    """
+
+    step: torch.Tensor
+    exp_avg: Any
+    exp_avg_sq: Any
+
+
+def _adam(
+    name: str,
+    lr: LearningRate,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+) -> Optimizer:
+    lr = check_lr(lr)
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}.")
+    beta1 = check_hyper("betas[0]", betas[0], high=1.0, high_open=True)
+    beta2 = check_hyper("betas[1]", betas[1], high=1.0, high_open=True)
+    eps = check_hyper("eps", eps)
+    weight_decay = check_hyper("weight_decay", weight_decay)
+
+    def init(params: Any) -> AdamState:
+        leaves, treespec = _tree.flatten(params)
+        check_params(leaves, treespec)
+        return AdamState(
+            step=new_step(),
+            exp_avg=zeros_like_tree(leaves, treespec),
+            exp_avg_sq=zeros_like_tree(leaves, treespec),
+        )
+
+    def update(params: Any, grads: Any, state: AdamState) -> tuple[Any, AdamState]:
+        check_state(state, AdamState, name)
+        p_leaves, g_leaves, (m_leaves, v_leaves), treespec = flatten_update(
+            name, params, grads, [state.exp_avg, state.exp_avg_sq]
+        )
+        step = state.step + 1
+        # The scalars torch.optim computes in Python doubles from step.item(), as
+        # float64 tensors: same values, and no recompile as the step count grows.
+        t = step.to(torch.float64)
+        lr_t = lr_value(lr)
+        bias_correction1 = 1 - beta1**t
+        bias_correction2_sqrt = (1 - beta2**t) ** 0.5
+        neg_step_size = -(lr_t / bias_correction1)
+        decay = 1 - lr_t * weight_decay
+        new_p, new_m, new_v = [], [], []
+        for p, g, m, v in zip(p_leaves, g_leaves, m_leaves, v_leaves, strict=True):
+            if p is None or g is None:
+                new_p.append(p)
+                new_m.append(m)
+                new_v.append(v)
+                continue
+            if weight_decay and decoupled:
+                p = torch.mul(p, decay)
+            elif weight_decay:
+                g = torch.add(g, p, alpha=weight_decay)
+            m = torch.lerp(m, g, 1 - beta1)
+            # In-place operations only on tensors made here, never on the inputs.
+            # (Not addcmul_: functionalization would split it into a multiply and
+            # an add, two roundings where the kernel makes one.)
+            v = torch.addcmul(torch.mul(v, beta2), g, g, value=1 - beta2)
+            denom = torch.sqrt(v).div_(bias_correction2_sqrt).add_(eps)
+            new_p.append(addcdiv(p, m, denom, neg_step_size))
+            new_m.append(m)
+            new_v.append(v)
+        return _tree.unflatten(treespec, new_p), AdamState(
+            step, _tree.unflatten(treespec, new_m), _tree.unflatten(treespec, new_v)
+        )
+
+    return Optimizer(init, update)
+
+
+def adam(
+    lr: LearningRate = 1e-3,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> Optimizer:
+    """Adam, numerically ``torch.optim.Adam``.
+
+    Per parameter ``p`` with gradient ``g`` at update ``t`` (from 1):
+    ``g += weight_decay * p``, ``m = lerp(m, g, 1 - beta1)``,
+    ``v = beta2 * v + (1 - beta2) * g * g``, and
+    ``p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)``,
+    each operation as ``torch.optim.Adam`` runs it on CPU. The state is kept
+    in the parameters' dtype, as torch keeps it.
+
+    Args:
+        lr: The learning rate: a float, or a one-element tensor read at every
+            update (change it in place for a schedule; a compiled step does not
+            recompile). A float64 tensor gives the same results as the float.
+        betas: Decay rates of the first and second moment estimates.
+        eps: Added to the denominator.
+        weight_decay: L2 penalty added to the gradient.
+
+    Returns:
+        An :class:`Optimizer` whose state is an :class:`AdamState`.
+
+    Raises:
+        ValueError: A hyper-parameter is out of range.
+
+    Example:
+        >>> import torch, fsync
+        >>> opt = fsync.optim.adam(0.1)
+        >>> params = {"w": torch.zeros(2)}
+        >>> params, state = opt.update(params, {"w": torch.tensor([1.0, -1.0])}, opt.init(params))
+        >>> params["w"]
+        tensor([-0.1000,  0.1000])
+    """
+    return _adam("adam", lr, betas, eps, weight_decay, decoupled=False)
+
+
+def adamw(
+    lr: LearningRate = 1e-3,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+) -> Optimizer:
+    """AdamW (Adam with decoupled weight decay), numerically ``torch.optim.AdamW``.
+
+    As :func:`adam`, except that the weight decay shrinks the parameter,
+    ``p *= 1 - lr * weight_decay``, before the moment update instead of being
+    added to the gradient.
+
+    Args:
+        lr: The learning rate: a float, or a one-element tensor read at every
+            update (change it in place for a schedule; a compiled step does not
+            recompile). A float64 tensor gives the same results as the float.
+        betas: Decay rates of the first and second moment estimates.
+        eps: Added to the denominator.
+        weight_decay: Decoupled weight decay coefficient.
+
+    Returns:
+        An :class:`Optimizer` whose state is an :class:`AdamState`.
+
+    Raises:
+        ValueError: A hyper-parameter is out of range.
+
+    Example:
+        >>> import torch, fsync
+        >>> opt = fsync.optim.adamw(0.1, weight_decay=0.5)
+        >>> params = {"w": torch.ones(2)}
+        >>> params, state = opt.update(params, {"w": torch.zeros(2)}, opt.init(params))
+        >>> params["w"]
+        tensor([0.9500, 0.9500])
+    """
+    return _adam("adamw", lr, betas, eps, weight_decay, decoupled=True)

@@ -1,0 +1,199 @@
+"""The functional optimizer pair and what every optimizer shares.
+
+An :class:`Optimizer` is ``init(params) -> state`` and
+``update(params, grads, state) -> (params, state)``, both pure. A state is a
+NamedTuple of a step counter (a 0-d int64 tensor) and trees shaped like the
+parameters. Nothing is updated in place: the new parameters and state are new
+tensors, so an update traces under ``torch.compile`` and can run on any pytree,
+the flat per-bucket shards of the ZeRO step included.
+
+Numerics follow ``torch.optim``'s default (single-tensor) CPU implementation
+operation by operation. Coefficients that depend on the step count or on a
+tensor learning rate are 0-d float64 CPU tensors: torch's kernels treat such a
+tensor exactly as the Python float ``torch.optim`` passes (read in the
+operation's compute precision), so the arithmetic is the same without
+turning the step count into a Python number, which would recompile every step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fsync import _tree
+
+LearningRate = float | torch.Tensor
+
+_CPU = torch.device("cpu")
+
+
+class Optimizer(NamedTuple):
+    """A pure functional optimizer: ``init(params) -> state`` and ``update``.
+
+    ``update(params, grads, state)`` returns ``(params, state)``: new tensors,
+    the inputs untouched. ``params`` may be any pytree of floating point
+    tensors (``None`` leaves stay ``None``); a ``None`` gradient leaves its
+    parameter and that parameter's state as they are.
+
+    Example:
+        >>> import torch, fsync
+        >>> opt = fsync.optim.sgd(0.1)
+        >>> params = {"w": torch.ones(2)}
+        >>> state = opt.init(params)
+        >>> params, state = opt.update(params, {"w": torch.ones(2)}, state)
+        >>> params["w"]
+        tensor([0.9000, 0.9000])
+    """
+
+    init: Callable[[Any], Any]
+    update: Callable[[Any, Any, Any], tuple[Any, Any]]
+
+
+def check_lr(lr: Any, /) -> LearningRate:
+    """Returns ``lr`` if it is a non-negative float or a 0-d floating tensor, else raises."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or not lr.dtype.is_floating_point or lr.requires_grad:
+            raise ValueError(
+                f"a tensor lr must be a one-element floating point tensor that does not require "
+                f"grad; got shape {tuple(lr.shape)}, dtype {lr.dtype}, requires_grad="
+                f"{lr.requires_grad}. Use torch.tensor(1e-3, dtype=torch.float64)."
+            )
+        return lr.reshape(())
+    check_hyper("lr", lr, low=0.0)
+    return float(lr)
+
+
+def check_hyper(
+    name: str, value: Any, *, low: float = 0.0, high: float = math.inf, high_open: bool = False
+) -> float:
+    """``value`` as a float if ``low <= value <= high`` (``< high`` if open); else raises."""
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, int | float)
+        and math.isfinite(value)
+        and low <= value
+        and (value < high if high_open else value <= high)
+    )
+    if not ok:
+        bound = f"in [{low}, {high})" if high_open else f">= {low}"
+        raise ValueError(f"{name} must be a finite number {bound}; got {value!r}.")
+    return float(value)
+
+
+def lr_value(lr: LearningRate) -> float | torch.Tensor:
+    """``lr`` for coefficient arithmetic: a float, or a 0-d float64 CPU tensor read now."""
+    if isinstance(lr, torch.Tensor):
+        return lr.to(device=_CPU, dtype=torch.float64)
+    return lr
+
+
+def new_step() -> torch.Tensor:
+    """The step counter of a fresh state: a 0-d int64 CPU tensor, as torch.optim keeps it."""
+    return torch.zeros((), dtype=torch.int64)
+
+
+def opmath(dtype: torch.dtype) -> torch.dtype:
+    """The precision torch's CPU kernels compute ``dtype`` in (float32 for 16-bit floats)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def addcdiv(x: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor, value: Any) -> torch.Tensor:
+    """``x + value * t1 / t2`` rounded as torch's ``addcdiv`` kernel rounds it.
+
+    ``torch.addcdiv`` takes its ``value`` only as a Python number; with a
+    tensor the same arithmetic is spelled out: computed in the kernel's compute
+    precision (float32 for 16-bit inputs), one rounding per operation, left to
+    right, and a single rounding back to ``x``'s dtype. The result has
+    ``t1``'s memory layout.
+    """
+    compute = opmath(x.dtype)
+    # One new tensor, updated in place: (t1 * value) / t2, then + x (a sum commutes).
+    out = torch.mul(t1.to(compute), value).div_(t2).add_(x)
+    return out.to(x.dtype)
+
+
+def check_state(state: Any, cls: type, name: str) -> None:
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"{name} state is a {type(state).__name__}; expected the {cls.__name__} that "
+            f"fsync.optim.{name}(...).init returned (or the previous update)."
+        )
+
+
+def _path(treespec: optree.PyTreeSpec, i: int) -> str:
+    return _tree.path_str(treespec.paths()[i])
+
+
+def check_params(leaves: Sequence[Any], treespec: optree.PyTreeSpec, what: str = "params") -> None:
+    """Raises ``TypeError`` unless every leaf is ``None`` or a floating point tensor."""
+    for i, leaf in enumerate(leaves):
+        if leaf is None:
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{what} leaf {_path(treespec, i)!r} is a {type(leaf).__name__}; expected a "
+                "torch.Tensor or None."
+            )
+        if not leaf.dtype.is_floating_point:
+            raise TypeError(
+                f"{what} leaf {_path(treespec, i)!r} has dtype {leaf.dtype}; expected a floating "
+                "point tensor. Keep integer buffers and counters out of the tree the optimizer "
+                "updates."
+            )
+
+
+def flatten_update(
+    name: str, params: Any, grads: Any, trees: Sequence[Any]
+) -> tuple[list[Any], list[Any], list[list[Any]], optree.PyTreeSpec]:
+    """Leaves of ``params``, ``grads`` and per-parameter state trees, all checked to line up.
+
+    Returns ``(params, grads, [state leaves per tree], treespec)``.
+    """
+    p_leaves, treespec = _tree.flatten(params)
+    check_params(p_leaves, treespec)
+    g_leaves, g_spec = _tree.flatten(grads)
+    if g_spec != treespec:
+        raise ValueError(
+            f"{name}.update: grads have structure {g_spec} but params have {treespec}; pass "
+            "gradients shaped like the parameters (None for a parameter without one)."
+        )
+    state_leaves = []
+    for tree in trees:
+        leaves, spec = _tree.flatten(tree)
+        if spec != treespec:
+            raise ValueError(
+                f"{name}.update: the state has structure {spec} but params have {treespec}; "
+                f"pass the state that {name}(...).init(params) returned for these parameters."
+            )
+        state_leaves.append(leaves)
+    for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
+        if p is None or g is None:
+            if p is None and g is not None:
+                raise ValueError(
+                    f"{name}.update: grads leaf {_path(treespec, i)!r} is a tensor but the "
+                    "parameter is None."
+                )
+            continue
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(
+                f"grads leaf {_path(treespec, i)!r} is a {type(g).__name__}; expected a "
+                "torch.Tensor or None."
+            )
+        if g.shape != p.shape or g.dtype != p.dtype:
+            raise ValueError(
+                f"{name}.update: grads leaf {_path(treespec, i)!r} has shape {tuple(g.shape)} and "
+                f"dtype {g.dtype}; expected the parameter's shape {tuple(p.shape)} and dtype "
+                f"{p.dtype}."
+            )
+    return p_leaves, g_leaves, state_leaves, treespec
+
+
+def zeros_like_tree(leaves: Sequence[Any], treespec: optree.PyTreeSpec) -> Any:
+    """A tree of zeros like the leaves (same layout; ``None`` stays ``None``)."""
+    return _tree.unflatten(
+        treespec, [None if p is None else torch.zeros_like(p.detach()) for p in leaves]
+    )

@@ -1,0 +1,127 @@
+"""Stochastic gradient descent with momentum, as ``torch.optim.SGD`` computes it."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from fsync import _tree
+from fsync._serialization import register_state
+from fsync.optim._base import (
+    LearningRate,
+    Optimizer,
+    check_hyper,
+    check_lr,
+    check_params,
+    check_state,
+    flatten_update,
+    lr_value,
+    new_step,
+    zeros_like_tree,
+)
+
+
+@register_state
+class SGDState(NamedTuple):
+    """The state of :func:`sgd`.
+
+    Attributes:
+        step: 0-d int64 CPU tensor, the number of updates made so far.
+        momentum: A tree like the parameters holding the momentum buffers, or
+            ``None`` when ``momentum=0`` (no buffer is kept).
+    """
+
+    step: torch.Tensor
+    momentum: Any
+
+
+def sgd(
+    lr: LearningRate,
+    *,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+) -> Optimizer:
+    """Stochastic gradient descent, numerically ``torch.optim.SGD``.
+
+    Per parameter ``p`` with gradient ``g``: ``g += weight_decay * p``; with
+    momentum, ``buf = g`` on the first update and
+    ``buf = momentum * buf + (1 - dampening) * g`` after it, and ``g = buf``
+    (or ``g + momentum * buf`` with ``nesterov``); then ``p -= lr * g``. Each
+    operation is the one ``torch.optim.SGD`` runs on CPU, in the same order.
+
+    Args:
+        lr: The learning rate: a float, or a one-element tensor read at every
+            update (change it in place for a schedule; a compiled step does not
+            recompile). A float64 tensor gives the same results as the float.
+        momentum: Momentum factor.
+        dampening: Dampening for momentum.
+        weight_decay: L2 penalty added to the gradient.
+        nesterov: Use Nesterov momentum (needs ``momentum > 0`` and
+            ``dampening == 0``).
+
+    Returns:
+        An :class:`Optimizer` whose state is an :class:`SGDState`.
+
+    Raises:
+        ValueError: A hyper-parameter is out of range, or ``nesterov`` is set
+            without momentum or with dampening.
+
+    Example:
+        >>> import torch, fsync
+        >>> opt = fsync.optim.sgd(0.5, momentum=0.9)
+        >>> params = {"w": torch.ones(2)}
+        >>> state = opt.init(params)
+        >>> params, state = opt.update(params, {"w": torch.ones(2)}, state)
+        >>> params["w"], int(state.step)
+        (tensor([0.5000, 0.5000]), 1)
+    """
+    lr = check_lr(lr)
+    momentum = check_hyper("momentum", momentum)
+    dampening = check_hyper("dampening", dampening)
+    weight_decay = check_hyper("weight_decay", weight_decay)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(
+            f"nesterov needs momentum > 0 and dampening == 0; got momentum={momentum}, "
+            f"dampening={dampening}."
+        )
+
+    def init(params: Any) -> SGDState:
+        leaves, treespec = _tree.flatten(params)
+        check_params(leaves, treespec)
+        buffers = zeros_like_tree(leaves, treespec) if momentum else None
+        return SGDState(step=new_step(), momentum=buffers)
+
+    def update(params: Any, grads: Any, state: SGDState) -> tuple[Any, SGDState]:
+        check_state(state, SGDState, "sgd")
+        trees = [state.momentum] if momentum else []
+        p_leaves, g_leaves, state_leaves, treespec = flatten_update("sgd", params, grads, trees)
+        buf_leaves = state_leaves[0] if momentum else [None] * len(p_leaves)
+        first = state.step == 0
+        # p - lr * g as torch's add(p, g, alpha=-lr): addcmul takes the factor as a
+        # tensor and rounds the product into the sum the same way.
+        neg_lr = -lr_value(lr)
+        new_p, new_buf = [], []
+        for p, g, buf in zip(p_leaves, g_leaves, buf_leaves, strict=True):
+            if p is None or g is None:
+                new_p.append(p)
+                new_buf.append(buf)
+                continue
+            if weight_decay:
+                g = torch.add(g, p, alpha=weight_decay)
+            if momentum:
+                later = torch.mul(buf, momentum).add_(g, alpha=1 - dampening)
+                buf = torch.where(first.to(g.device), g, later)
+                g = torch.add(g, buf, alpha=momentum) if nesterov else buf
+            if isinstance(neg_lr, torch.Tensor):
+                p = torch.addcmul(p, g, neg_lr.to(p.device))
+            else:
+                p = torch.add(p, g, alpha=neg_lr)
+            new_p.append(p)
+            new_buf.append(buf)
+        buffers = _tree.unflatten(treespec, new_buf) if momentum else None
+        return _tree.unflatten(treespec, new_p), SGDState(state.step + 1, buffers)
+
+    return Optimizer(init, update)

@@ -1,0 +1,220 @@
+"""fsync.optim against torch.optim: same parameters after 20 steps, fp32 and bf16.
+
+The reference is torch.optim's default CPU implementation (the single-tensor
+one: CPU is not a foreach device). fsync's optimizers run the same torch
+operations in the same order with the same scalars; the scalars torch computes
+in Python doubles from the step count are 0-d float64 CPU tensors here, which
+torch's kernels read exactly as they read a Python float. Equality is
+therefore checked bit for bit, except where noted.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import fsync
+from tests._models import params_of, ref_model
+
+STEPS = 20
+LR = 1e-2
+
+# name -> (fsync optimizer from lr, torch.optim class, keyword arguments both take)
+CASES = {
+    "sgd": (fsync.optim.sgd, torch.optim.SGD, {}),
+    "sgd_momentum": (
+        fsync.optim.sgd,
+        torch.optim.SGD,
+        {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+    ),
+    "sgd_nesterov": (
+        fsync.optim.sgd,
+        torch.optim.SGD,
+        {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+    ),
+    "adam": (fsync.optim.adam, torch.optim.Adam, {}),
+    "adam_l2": (fsync.optim.adam, torch.optim.Adam, {"betas": (0.8, 0.99), "weight_decay": 0.1}),
+    "adamw": (fsync.optim.adamw, torch.optim.AdamW, {}),
+    "adamw_eps": (fsync.optim.adamw, torch.optim.AdamW, {"eps": 1e-3, "weight_decay": 0.5}),
+}
+
+
+def _params(dtype):
+    """The parity model's parameters (channels_last conv, embedding, norm, linears)."""
+    return {k: v.to(dtype) for k, v in params_of(ref_model()).items()}
+
+
+def _grads(params, step):
+    g = torch.Generator().manual_seed(step)
+    return {
+        k: torch.randn(p.shape, generator=g).to(p.dtype).to(memory_format=_layout(p))
+        for k, p in params.items()
+    }
+
+
+def _layout(p):
+    cl = p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last)
+    return torch.channels_last if cl else torch.contiguous_format
+
+
+def _run_torch(cls, kwargs, params):
+    leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    opt = cls(list(leaves.values()), lr=LR, **kwargs)
+    for s in range(STEPS):
+        for k, grad in _grads(params, s).items():
+            leaves[k].grad = grad
+        opt.step()
+    return {k: v.detach() for k, v in leaves.items()}
+
+
+def _run_fsync(make, kwargs, params, lr):
+    opt = make(lr, **kwargs)
+    state = opt.init(params)
+    for s in range(STEPS):
+        params, state = opt.update(params, _grads(params, s), state)
+    assert int(state.step) == STEPS
+    return params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_torch_optim(case, dtype):
+    make, cls, kwargs = CASES[case]
+    params = _params(dtype)
+    ref = _run_torch(cls, kwargs, params)
+    with_float = _run_fsync(make, kwargs, params, LR)
+    with_tensor = _run_fsync(make, kwargs, params, torch.tensor(LR, dtype=torch.float64))
+    for k in ref:
+        assert with_float[k].stride() == ref[k].stride(), k  # channels_last stays channels_last
+        assert torch.equal(with_float[k], ref[k]), (k, (with_float[k] - ref[k]).abs().max())
+        if case.startswith("sgd") and dtype == torch.bfloat16:
+            # p - lr * g with a tensor lr is torch.addcmul(p, g, -lr), with a float
+            # torch.add(p, g, alpha=-lr) as in torch.optim. For 16-bit floats torch's
+            # add rounds the product to bf16 before the sum on the elements its
+            # vector loop leaves over (which ones depends on chunking), so the two
+            # may differ by one rounding, one bf16 ulp, per step: at most STEPS ulps.
+            ulp = torch.finfo(dtype).eps * ref[k].abs().max().float()
+            diff = (with_tensor[k].float() - ref[k].float()).abs().max()
+            assert diff <= STEPS * ulp, (k, diff, ulp)
+        else:
+            # A float64 lr tensor holds the same double as the float.
+            assert torch.equal(with_tensor[k], ref[k]), k
+
+
+def test_float32_lr_tensor_is_read_as_its_value():
+    # lr = 2**-7 is exact in float32, so a float32 tensor gives the float's results.
+    params = _params(torch.float32)
+    a = _run_fsync(fsync.optim.adamw, {}, params, 2**-7)
+    b = _run_fsync(fsync.optim.adamw, {}, params, torch.tensor(2**-7))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("make", [fsync.optim.sgd, fsync.optim.adam])
+def test_none_gradient_leaves_parameter_and_state(make):
+    kwargs = {"momentum": 0.9} if make is fsync.optim.sgd else {}
+    opt = make(0.1, **kwargs)
+    params = {"a": torch.ones(3), "b": torch.ones(2), "c": None}
+    state = opt.init(params)
+    new, state2 = opt.update(params, {"a": torch.ones(3), "b": None, "c": None}, state)
+    assert new["b"] is params["b"] and new["c"] is None
+    assert not torch.equal(new["a"], params["a"])
+    buffers = state2.momentum if make is fsync.optim.sgd else state2.exp_avg
+    assert torch.equal(buffers["b"], torch.zeros(2)) and buffers["c"] is None
+    assert int(state2.step) == 1
+
+
+@pytest.mark.parametrize("make", [fsync.optim.sgd, fsync.optim.adamw])
+def test_update_is_pure_and_state_round_trips_through_torch_save(make):
+    opt = make(0.1, momentum=0.9) if make is fsync.optim.sgd else make(0.1)
+    params = _params(torch.float32)
+    grads = _grads(params, 0)
+    state = opt.init(params)
+    params, state = opt.update(params, grads, state)
+    before = [t.clone() for t in (*params.values(), *grads.values())]
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)  # weights_only: the state classes are registered
+    assert type(loaded) is type(state) and torch.equal(loaded.step, state.step)
+    out1, s1 = opt.update(params, grads, state)
+    out2, _ = opt.update(params, grads, loaded)
+    assert all(torch.equal(out1[k], out2[k]) for k in out1)
+    after = [*params.values(), *grads.values()]
+    assert all(torch.equal(x, y) for x, y in zip(before, after, strict=True))
+    assert int(state.step) == 1 and int(s1.step) == 2
+
+
+def test_lr_tensor_schedule_matches_torch_param_group_lr():
+    lr = torch.tensor(LR, dtype=torch.float64)
+    params = _params(torch.float32)
+    opt = fsync.optim.adamw(lr)
+    state = opt.init(params)
+    leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    ref = torch.optim.AdamW(list(leaves.values()), lr=LR)
+    for s in range(5):
+        lr.fill_(LR / (s + 1))
+        ref.param_groups[0]["lr"] = LR / (s + 1)
+        grads = _grads(params, s)
+        for k, grad in grads.items():
+            leaves[k].grad = grad
+        ref.step()
+        params, state = opt.update(params, grads, state)
+    assert all(torch.equal(params[k], leaves[k].detach()) for k in params)
+
+
+def test_compiled_update_does_not_recompile_when_lr_changes():
+    steps, base = 4, 0.1
+    lr = torch.tensor(base, dtype=torch.float64)
+    params = {"w": torch.randn(50, 30), "b": torch.randn(300).to(torch.bfloat16)}
+    for opt in (fsync.optim.adamw(lr), fsync.optim.sgd(lr, momentum=0.9)):
+        torch._dynamo.reset()
+        compiled = torch.compile(opt.update, fullgraph=True)
+        eager_p = compiled_p = params
+        eager_s = compiled_s = opt.init(params)
+        for s in range(steps):
+            lr.fill_(base / (s + 1))  # a schedule: the tensor changes in place
+            grads = {k: torch.randn(v.shape).to(v.dtype) for k, v in params.items()}
+            eager_p, eager_s = opt.update(eager_p, grads, eager_s)
+            # After the first call any recompile (a guard on the step count or on
+            # the lr value) raises.
+            with torch._dynamo.config.patch(error_on_recompile=s > 0):
+                compiled_p, compiled_s = compiled(compiled_p, grads, compiled_s)
+        assert int(compiled_s.step) == steps
+        for k in params:
+            # Inductor fuses a parameter's update into one kernel that keeps its
+            # intermediates in float32 and may contract multiply-adds, where eager
+            # rounds after every operation (to bf16 for "b"). The parameter is
+            # rounded once per step in both, so they may drift apart by about one
+            # ulp of the parameters' scale per step (measured: at most 1.25 ulp
+            # after 4 steps); the 4 steps move them by 8 to 10**6 such ulps.
+            ulp = torch.finfo(params[k].dtype).eps * eager_p[k].abs().max().float()
+            diff = (compiled_p[k].float() - eager_p[k].float()).abs().max()
+            assert diff <= steps * ulp, (k, diff / ulp)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"lr must be a finite number >= 0.0; got -1"):
+        fsync.optim.sgd(-1)
+    with pytest.raises(ValueError, match=r"a tensor lr must be a one-element floating point"):
+        fsync.optim.adam(torch.tensor([1e-3, 1e-3]))
+    with pytest.raises(ValueError, match=r"betas\[1\] must be a finite number in \[0.0, 1.0\)"):
+        fsync.optim.adam(betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="betas must be a pair"):
+        fsync.optim.adamw(betas=0.9)
+    with pytest.raises(ValueError, match="nesterov needs momentum > 0 and dampening == 0"):
+        fsync.optim.sgd(0.1, nesterov=True)
+    opt = fsync.optim.adam()
+    with pytest.raises(TypeError, match=r"params leaf 'n' has dtype torch.int64; expected a float"):
+        opt.init({"w": torch.ones(2), "n": torch.ones(2, dtype=torch.int64)})
+    params = {"w": torch.ones(2), "b": torch.ones(3)}
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=r"grads have structure .* but params have"):
+        opt.update(params, {"w": torch.ones(2)}, state)
+    with pytest.raises(ValueError, match=r"grads leaf 'b' has shape \(2,\) and dtype"):
+        opt.update(params, {"w": torch.ones(2), "b": torch.ones(2)}, state)
+    with pytest.raises(TypeError, match=r"adam state is a SGDState; expected the AdamState"):
+        opt.update(params, params, fsync.optim.sgd(0.1).init(params))
+    with pytest.raises(ValueError, match=r"the state has structure .* but params have"):
+        opt.update(params, params, opt.init({"w": torch.ones(2)}))

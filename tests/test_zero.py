@@ -1,0 +1,458 @@
+"""The ZeRO step on real gloo worlds, against torch.optim, DDP + ZeroRedundancyOptimizer.
+
+Functions named ``_on_rank_*`` run on every rank of a :class:`World`; they make
+their own assertions and return what the test process needs to see.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fsync
+from fsync import _comm, _tree
+from fsync._pack import shard_numel
+from tests._models import func_loss, params_of, ref_batch, ref_loss, ref_model
+from tests._world import World
+
+STEPS = 10
+ADAMW = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+# Small buckets, so the parity model's 2,000 parameters make three of them.
+SMALL = {"bucket_cap_mb": 0.001, "first_bucket_mb": 0.001}
+
+
+def _gathered(tree):
+    """Every rank's copy of a dict of tensors: {name: [rank0, rank1, ...]}."""
+    out = {}
+    for name, t in tree.items():
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t.contiguous())
+        out[name] = parts
+    return out
+
+
+def _nbytes(tree):
+    leaves, _ = _tree.flatten(tree)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _assert_same(ours, ref, world_size):
+    for k, r in ref.items():
+        if world_size <= 2:
+            # With one or two ranks the mean a * 0.5 + b * 0.5 is the exact mean
+            # rounded once, whatever the summation order, and the optimizer runs
+            # torch.optim's operations: the runs agree bit for bit.
+            assert torch.equal(ours[k], r), (k, (ours[k] - r).abs().max())
+        else:
+            # Three or four ranks: the reduction adds W rounded terms (W - 1 more
+            # roundings than the exactly rounded mean, or than DDP's bucketed
+            # all-reduce in another order). AdamW's step m / (sqrt(v) + eps) does
+            # not depend on the gradients' scale, so a gradient off by a few ulps
+            # moves the step by a few ulps of lr, and the parameter may round the
+            # other way: about one ulp of the parameters per step (measured: at
+            # most 2 ulps after 10 steps).
+            bound = STEPS * torch.finfo(r.dtype).eps * r.abs().max()
+            assert (ours[k] - r).abs().max() <= bound, (k, (ours[k] - r).abs().max(), bound)
+
+
+# --- 1 and 2: parity with torch.optim and ZeroRedundancyOptimizer; state per rank --------
+
+
+def _on_rank_parity(shard_buckets):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = ref_model()
+    loss_fn = func_loss(model)
+    params = params_of(model)
+    step = fsync.ops.zero(fsync.optim.adamw(**ADAMW), shard_buckets=shard_buckets, **SMALL)
+    state = step.init(params)
+    assert len(step.plan.buckets) == 3
+
+    # Reference 1: torch.optim.AdamW fed the exact mean of every rank's gradients.
+    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    ref_opt = torch.optim.AdamW(list(ref.values()), **ADAMW)
+    # Reference 2: DDP with ZeroRedundancyOptimizer(AdamW), torch's own ZeRO.
+    ddp = DDP(copy.deepcopy(model), bucket_cap_mb=SMALL["bucket_cap_mb"])
+    zero_ref = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW)
+    for s in range(STEPS):
+        batch = ref_batch(rank, s)
+        grads = torch.func.grad(loss_fn)(params, batch)
+        ref_grads = torch.func.grad(loss_fn)({k: v.detach() for k, v in ref.items()}, batch)
+        for k, parts in _gathered(ref_grads).items():
+            ref[k].grad = (torch.stack([p.double() for p in parts]).sum(0) / world_size).float()
+        ref_opt.step()
+        zero_ref.zero_grad()
+        ref_loss(ddp, batch).backward()
+        zero_ref.step()
+
+        before = {k: v.clone() for k, v in (*params.items(), *grads.items())}
+        new_params, state = step(params, grads, state)
+        # The first call already updated the parameters (no warm-up), and the
+        # inputs were left as they were.
+        assert s > 0 or not torch.equal(new_params["head.weight"], params["head.weight"])
+        assert all(torch.equal(v, {**params, **grads}[k]) for k, v in before.items())
+        params = new_params
+
+    assert params["conv.weight"].is_contiguous(memory_format=torch.channels_last)
+    _assert_same(params, {k: v.detach() for k, v in ref.items()}, world_size)
+    _assert_same(params, {k: v.detach() for k, v in ddp.module.named_parameters()}, world_size)
+
+    full = fsync.optim.adamw(**ADAMW).init(params_of(model))
+    return {
+        "local": _nbytes(state.opt),
+        "full": _nbytes(full),
+        "owners": step.owners,
+        "bucket_numels": [spec.numel for spec in step.plan.specs],
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4], indirect=True)
+@pytest.mark.parametrize("shard_buckets", [True, False])
+def test_parity_with_torch_adamw_and_zero_redundancy_optimizer(world: World, shard_buckets):
+    reports = world.run(_on_rank_parity, shard_buckets)
+    w, full, numels = world.size, reports[0]["full"], reports[0]["bucket_numels"]
+    local = [r["local"] for r in reports]
+    # AdamW keeps exp_avg and exp_avg_sq (2 x 4 bytes per float32 element) and one
+    # replicated int64 step count.
+    per_element, step_bytes = 2 * 4, 8
+    assert full == per_element * sum(numels) + step_bytes
+    per_param = full - step_bytes
+    if shard_buckets:
+        # Each rank holds ceil(numel / W) elements of every bucket: 1/W of the state
+        # plus under one padding element per bucket.
+        padding = per_element * sum(shard_numel(n, w) - n / w for n in numels)
+        assert padding < per_element * len(numels)
+        assert all(b == per_param / w + padding + step_bytes for b in local), local
+    else:
+        # Whole buckets by size, largest first to the least loaded rank: nothing is
+        # held twice, and no rank holds more than its share plus the largest bucket.
+        owners = reports[0]["owners"]
+        assert all(r["owners"] == owners for r in reports) and len(owners) == len(numels)
+        assert sum(local) == per_param + w * step_bytes
+        largest = per_element * max(numels)
+        assert all(b <= per_param / w + largest + step_bytes for b in local), local
+    print(f"state bytes per rank, W={w}, shard_buckets={shard_buckets}: {local} (unsharded {full})")
+
+
+# --- 3: save with 4 ranks, resume with 2 and 3 -------------------------------------------------
+
+CKPT_STEPS = (3, 3)  # steps before the checkpoint, steps after it
+
+
+def _exact_grads(params, s, rank):
+    """The gradient of a fixed global batch, passed by rank 0 alone.
+
+    Summed over ranks (hook allreduce("sum")) it arrives exactly, whatever the
+    world size: x + 0 + ... + 0 == x. Runs on different world sizes can then be
+    compared bit for bit.
+    """
+    grads = torch.func.grad(func_loss(ref_model()))(params, ref_batch(0, s, batch=12))
+    return grads if rank == 0 else {k: torch.zeros_like(v) for k, v in grads.items()}
+
+
+def _zero_step(shard_buckets):
+    return fsync.ops.zero(
+        fsync.optim.adamw(**ADAMW),
+        hook=fsync.ops.allreduce("sum"),
+        shard_buckets=shard_buckets,
+        **SMALL,
+    )
+
+
+def _on_rank_save(path):
+    rank = dist.get_rank()
+    params = params_of(ref_model())
+    step = _zero_step(True)
+    state = step.init(params)
+    for s in range(CKPT_STEPS[0]):
+        params, state = step(params, _exact_grads(params, s, rank), state)
+    full = fsync.ops.zero_state_dict(state, step, to=1)
+    assert (full is None) == (rank != 1)
+    if rank == 1:
+        torch.save({"params": params, "opt": full}, path)
+    dist.barrier()
+    for s in range(CKPT_STEPS[0], sum(CKPT_STEPS)):  # the uninterrupted run goes on
+        params, state = step(params, _exact_grads(params, s, rank), state)
+    return params, _unsharded_run()
+
+
+def _on_rank_resume(path, shard_buckets):
+    rank = dist.get_rank()
+    checkpoint = torch.load(path)  # weights_only: fsync's state classes are registered
+    params = checkpoint["params"]
+    step = _zero_step(shard_buckets)
+    step.init(params)
+    state = step.load(checkpoint["opt"])
+    for s in range(CKPT_STEPS[0], sum(CKPT_STEPS)):
+        params, state = step(params, _exact_grads(params, s, rank), state)
+    return params, fsync.ops.zero_state_dict(state, step)
+
+
+def _unsharded_run():
+    """The same training without ZeRO: fsync.optim.adamw in one process."""
+    opt = fsync.optim.adamw(**ADAMW)
+    params = params_of(ref_model())
+    state = opt.init(params)
+    for s in range(sum(CKPT_STEPS)):
+        params, state = opt.update(params, _exact_grads(params, s, 0), state)
+    return params, state
+
+
+def test_checkpoint_from_4_ranks_resumes_on_2_and_3(tmp_path):
+    from tests.conftest import get_world
+
+    path = str(tmp_path / "zero.pt")
+    uninterrupted = get_world(4).run(_on_rank_save, path)
+    # The reference ran in a rank process, with the ranks' thread settings.
+    expected, expected_state = uninterrupted[0][1]
+    for params, _ in uninterrupted:
+        assert all(torch.equal(params[k], expected[k]) for k in expected)
+    # Resume with 2 ranks sharded and with 3 ranks owning whole buckets.
+    for world_size, shard_buckets in ((2, True), (3, False)):
+        results = get_world(world_size).run(_on_rank_resume, path, shard_buckets)
+        for params, _ in results:
+            assert all(torch.equal(params[k], expected[k]) for k in expected)
+        full = results[0][1]
+        assert type(full) is type(expected_state) and int(full.step) == sum(CKPT_STEPS)
+        for k in expected:
+            assert torch.equal(full.exp_avg[k], expected_state.exp_avg[k]), k
+            assert torch.equal(full.exp_avg_sq[k], expected_state.exp_avg_sq[k]), k
+        assert all(r[1] is None for r in results[1:])
+
+
+def _on_rank_mixed_dtypes(shard_buckets):
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(0)  # the same parameters on every rank
+    dtypes = {"a": torch.float32, "b": torch.bfloat16, "c": torch.float64, "d": torch.bfloat16}
+    shapes = {"a": (7, 5), "b": (33,), "c": (4,), "d": (2, 3, 4, 4)}
+    params = {k: torch.randn(shapes[k], generator=g).to(dtypes[k]) for k in dtypes}
+    params["d"] = params["d"].to(memory_format=torch.channels_last)
+    params["e"] = None
+    opt = fsync.optim.adam(0.1, weight_decay=0.01)
+    step = fsync.ops.zero(
+        opt, hook=fsync.ops.allreduce("sum"), shard_buckets=shard_buckets, **SMALL
+    )
+    state = step.init(params)
+    expected, expected_state = params, opt.init(params)
+    for s in range(4):
+        g = torch.Generator().manual_seed(1 + s)
+        grads = {k: torch.randn(shapes[k], generator=g).to(dtypes[k]) for k in dtypes}
+        grads["e"] = None
+        mine = {k: v if rank == 0 or v is None else torch.zeros_like(v) for k, v in grads.items()}
+        params, state = step(params, mine, state)
+        expected, expected_state = opt.update(expected, grads, expected_state)
+    # The sum of rank 0's gradients and zeros is exact, and the optimizer's
+    # operations are elementwise: sharding changes nothing, whatever the dtype.
+    assert params["e"] is None and params["d"].is_contiguous(memory_format=torch.channels_last)
+    for k in dtypes:
+        assert params[k].dtype == dtypes[k] and torch.equal(params[k], expected[k]), k
+
+
+@pytest.mark.parametrize("world", [3], indirect=True)
+@pytest.mark.parametrize("shard_buckets", [True, False])
+def test_mixed_dtypes_and_none_leaves(world: World, shard_buckets):
+    world.run(_on_rank_mixed_dtypes, shard_buckets)
+
+
+# --- hooks: compression composes; whole buckets are sharded locally -----------------------
+
+
+def _bf16_wrapper(inner):
+    """A hand-written compression hook: cast down, run ``inner``, cast back."""
+
+    def apply(buckets, state, ctx):
+        low, state = inner.apply([b.to(torch.bfloat16) for b in buckets], state, ctx)
+        return [x.to(b.dtype) for x, b in zip(low, buckets, strict=True)], state
+
+    return fsync.Hook(inner.init, apply)
+
+
+def _whole_buckets(inner):
+    """A hook that ignores ctx.scatter and returns whole reduced buckets."""
+
+    def apply(buckets, state, ctx):
+        return inner.apply(buckets, state, ctx._replace(scatter=False))
+
+    return fsync.Hook(inner.init, apply)
+
+
+def _on_rank_hooks():
+    rank = dist.get_rank()
+    params = params_of(ref_model())
+    grads = torch.func.grad(func_loss(ref_model()))(params, ref_batch(rank))
+    opt = fsync.optim.adamw(**ADAMW)
+
+    sent = []
+    original = _comm._reduce_scatter
+
+    def recording(x, *args):
+        sent.append(x.dtype)
+        return original(x, *args)
+
+    _comm._reduce_scatter = recording
+    try:
+        step = fsync.ops.zero(opt, hook=_bf16_wrapper(fsync.ops.allreduce()), **SMALL)
+        compressed, _ = step(params, grads, step.init(params))
+    finally:
+        _comm._reduce_scatter = original
+    assert sent == [torch.bfloat16] * 3  # one bf16 reduce-scatter per bucket
+
+    # The reference: the bf16 mean (two ranks: one rounding, order-free), then AdamW.
+    mean = {
+        k: (parts[0].bfloat16() * 0.5 + parts[1].bfloat16() * 0.5).float()
+        for k, parts in _gathered(grads).items()
+    }
+    expected, _ = opt.update(params, mean, opt.init(params))
+    assert all(torch.equal(compressed[k], expected[k]) for k in expected)
+
+    plain = fsync.ops.zero(opt, **SMALL)
+    whole = fsync.ops.zero(opt, hook=_whole_buckets(fsync.ops.allreduce()), **SMALL)
+    a, _ = plain(params, grads, plain.init(params))
+    b, _ = whole(params, grads, whole.init(params))
+    # All-reduce and reduce-scatter of two terms agree bit for bit.
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_hook_compresses_and_whole_bucket_hooks_work(world: World):
+    world.run(_on_rank_hooks)
+
+
+# --- 4: clear errors ----------------------------------------------------------------------------
+
+
+def _on_rank_errors():
+    rank = dist.get_rank()
+    params = {"w": torch.ones(4, 3), "b": torch.zeros(4)}
+    grads = {"w": torch.ones(4, 3), "b": torch.ones(4)}
+    step = fsync.ops.zero(fsync.optim.adam(0.1))
+    with pytest.raises(RuntimeError, match=r"no plan yet; call \.init\(params\) first"):
+        step(params, grads, None)
+    state = step.init(params)
+
+    other = fsync.ops.zero(fsync.optim.adam(0.1))
+    with pytest.raises(ValueError, match="state belongs to another plan"):
+        step(params, grads, other.init({"x": torch.ones(3)}))
+    owned = fsync.ops.zero(fsync.optim.adam(0.1), shard_buckets=False)
+    with pytest.raises(ValueError, match="made with shard_buckets=False but this step has"):
+        step(params, grads, owned.init(params))
+    layout = state.layout.clone()
+    layout[1] = 4
+    with pytest.raises(ValueError, match=r"sharded for a world of 4 ranks.*zero_state_dict"):
+        step(params, grads, state._replace(layout=layout))
+    layout = state.layout.clone()
+    layout[2] = 1 - rank
+    with pytest.raises(ValueError, match=f"holds rank {1 - rank}'s part, but this is rank {rank}"):
+        step(params, grads, state._replace(layout=layout))
+    with pytest.raises(TypeError, match="expected the ZeroState"):
+        step(params, grads, state.opt)
+    with pytest.raises(ValueError, match=r"grads does not match the plan: leaf 'b' has shape"):
+        step(params, {**grads, "b": torch.ones(5)}, state)
+    with pytest.raises(ValueError, match=r"grads leaf 'w' requires grad"):
+        step(params, {**grads, "w": torch.ones(4, 3, requires_grad=True)}, state)
+    with pytest.raises(ValueError, match=r"params leaf 'b' is None, but the plan holds"):
+        step({**params, "b": None}, grads, state)
+    with pytest.raises(ValueError, match="initialised for another parameter tree"):
+        step.init({"x": torch.ones(3)})
+    with pytest.raises(TypeError, match=r"params leaf 'n' has dtype torch.int64; the ZeRO step"):
+        fsync.ops.zero(fsync.optim.sgd(0.1)).init({**params, "n": torch.ones(2).long()})
+    with pytest.raises(TypeError, match=r"expected an fsync.optim.Optimizer"):
+        fsync.ops.zero(torch.optim.SGD)
+    truncating = fsync.Hook(lambda plan: (), lambda b, s, c: ([x[:-1] for x in b], s))
+    bad = fsync.ops.zero(fsync.optim.adam(0.1), hook=truncating)
+    with pytest.raises(ValueError, match=r"hook output: buffer 0 has shape \(15,\).*or this rank"):
+        bad(params, grads, bad.init(params))
+    with pytest.raises(ValueError, match="to must be a rank of the group, 0 to 1; got 2"):
+        fsync.ops.zero_state_dict(state, step, to=2)
+    full = fsync.optim.adam(0.1).init(params)  # a full state, made without ZeRO
+    wrong = full._replace(exp_avg={**full.exp_avg, "w": torch.zeros(3, 4)})
+    with pytest.raises(ValueError, match=r"full_state.exp_avg\['w'\] has shape \(3, 4\)"):
+        step.load(wrong)
+    with pytest.raises(ValueError, match="full_state has structure"):
+        step.load(fsync.optim.sgd(0.1, momentum=0.9).init(params))
+    assert torch.equal(step.load(full).opt.exp_avg[0], torch.zeros(8))  # 16 elements / 2
+
+    # Trees that differ across ranks: every rank raises the same error at init.
+    mine = {"w": torch.ones(4, 3 + rank), "b": torch.zeros(4)}
+    with pytest.raises(
+        ValueError,
+        match=r"parameter trees passed to ZeroStep.init differ across ranks: leaf 'w' has "
+        r"shape \(4, 3\).* on rank 0 but shape \(4, 4\).* on rank 1",
+    ):
+        fsync.ops.zero(fsync.optim.adam(0.1)).init(mine)
+    # Nothing above left a collective half done: the world still steps.
+    new, _ = step(params, grads, state)
+    assert torch.all(new["b"] < 0)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_clear_errors(world: World):
+    world.run(_on_rank_errors, timeout=60)
+
+
+# --- compile: one reduce-scatter and one all-gather per bucket, no recompile ------------------
+
+
+def _on_rank_compiled(shard_buckets):
+    rank = dist.get_rank()
+    model = ref_model()
+    loss_fn = func_loss(model)
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    step = fsync.ops.zero(fsync.optim.adamw(lr), shard_buckets=shard_buckets, **SMALL)
+    # The step alone (gradients eagerly): compiling forward and backward as well
+    # only costs time here; test_sync compiles whole train steps. The owner mode
+    # stops after AOT tracing (aot_eager runs the traced graph's ops eagerly),
+    # which checks the same capture at a fraction of inductor's compile time.
+    compiler = "inductor" if shard_buckets else "aot_eager"
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend(compiler)(gm, example_inputs)
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    eager_params = compiled_params = params_of(model)
+    eager_state = compiled_state = step.init(eager_params)
+    for s in range(3):
+        lr.fill_(1e-2 / (s + 1))
+        grads = torch.func.grad(loss_fn)(eager_params, ref_batch(rank, s))
+        eager_params, eager_state = step(eager_params, grads, eager_state)
+        with torch._dynamo.config.patch(error_on_recompile=s > 0):
+            compiled_params, compiled_state = compiled(compiled_params, grads, compiled_state)
+    collectives = [
+        str(n.target)
+        for n in graphs[-1].graph.nodes
+        if n.op == "call_function" and "c10d" in str(n.target)
+    ]
+    n_buckets = len(step.plan.buckets)
+    count = {
+        kind: sum(kind in c for c in collectives)
+        for kind in ("reduce_scatter", "all_gather", "all_reduce", "broadcast")
+    }
+    if shard_buckets:
+        expected = {"reduce_scatter": n_buckets, "all_gather": n_buckets}
+    else:
+        expected = {"all_reduce": n_buckets, "broadcast": n_buckets}
+    assert count == {**dict.fromkeys(count, 0), **expected}, collectives
+    assert int(compiled_state.opt.step) == 3
+    for k in eager_params:
+        if not shard_buckets:  # the same operations, run eagerly: the same bits
+            assert torch.equal(compiled_params[k], eager_params[k]), k
+            continue
+        # Same gradients, so only the AdamW arithmetic differs: inductor keeps a
+        # parameter's intermediates in registers and may contract multiply-adds,
+        # where eager rounds after every operation. The parameters round once per
+        # step in both: at most about one ulp of their scale per step.
+        ulp = torch.finfo(torch.float32).eps * eager_params[k].abs().max()
+        diff = (compiled_params[k] - eager_params[k]).abs().max()
+        assert diff <= 3 * ulp, (k, diff / ulp)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_compiled_step(world: World):
+    world.run(_on_rank_compiled, True, timeout=400)
+    world.run(_on_rank_compiled, False, timeout=400)
