@@ -1,5 +1,18 @@
 """Hooks for :func:`fsync.sync_grads` and :class:`fsync.GradSync`."""
 
 from fsync.ops._allreduce import allreduce
+from fsync.ops._compress import bf16_compress, fp16_compress
+from fsync.ops._noop import noop
+from fsync.ops._powersgd import PowerSGDState, batched_powersgd, powersgd
+from fsync.ops._quantize import quantize
 
-__all__ = ["allreduce"]
+__all__ = [
+    "PowerSGDState",
+    "allreduce",
+    "batched_powersgd",
+    "bf16_compress",
+    "fp16_compress",
+    "noop",
+    "powersgd",
+    "quantize",
+]
