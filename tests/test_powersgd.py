@@ -197,11 +197,13 @@ class _MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(32, 24)
-        self.b = nn.Linear(24, 16)
-        self.c = nn.Linear(16, 4)
+        self.b = nn.Linear(24, 24)
+        self.b2 = nn.Linear(24, 24)  # a second matrix of b's shape: batched together
+        self.c = nn.Linear(24, 4)
 
     def forward(self, x):
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        h = torch.tanh(self.a(x))
+        return self.c(torch.tanh(self.b2(torch.tanh(self.b(h)))))
 
 
 def _mlp_batch(rank, step):
@@ -238,9 +240,8 @@ def _on_rank_ddp_parity(rank_):
     sync = fsync.GradSync(hook=fsync.ops.powersgd(rank_, start_step=2))
     state = sync.init(plan)
     assert len(plan.buckets) == len(buckets) == 1
-    # DDP draws its first Q from numpy's RNG; hand it fsync's instead (every leaf here
-    # has its own shape, so DDP's Q layout, grouped by shape, is fsync's). With the
-    # same Q the two run the same algorithm.
+    # DDP draws its first Q from numpy's RNG; hand it fsync's instead (both lay Q out
+    # leaf by leaf, grouped by shape). With the same Q the two run the same algorithm.
     for b, q in enumerate(state.hook.q):
         ddp_state.q_memory_dict[b] = q.clone()
         p_numel = 0

@@ -9,6 +9,7 @@ too: it is made for, and kept in, the compressed dtype.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -35,17 +36,27 @@ def _check_floating(
             )
 
 
+def _cast_plan(plan: BucketPlan, dtype: torch.dtype) -> BucketPlan:
+    leaves = tuple(
+        leaf if leaf is None or leaf.sparse else leaf._replace(dtype=dtype) for leaf in plan.leaves
+    )
+    # plan.structure(), not plan.treespec: this may run inside torch.compile.
+    return BucketPlan(plan.structure(), leaves, plan.buckets)
+
+
+# Eager steps reuse the cast plan (and so its cached fingerprint) instead of rebuilding it.
+_cached_cast_plan = functools.lru_cache(maxsize=32)(_cast_plan)
+
+
 def cast_plan(plan: BucketPlan, dtype: torch.dtype) -> BucketPlan:
     """``plan`` with every dense leaf (and so every dense bucket) in ``dtype``.
 
     The buckets keep their leaves, order and offsets; only the dtype changes, so
     a hook running inside a cast sees a plan that describes the buffers it gets.
     """
-    leaves = tuple(
-        leaf if leaf is None or leaf.sparse else leaf._replace(dtype=dtype) for leaf in plan.leaves
-    )
-    # plan.structure(), not plan.treespec: this may run inside torch.compile.
-    return BucketPlan(plan.structure(), leaves, plan.buckets)
+    if torch.compiler.is_compiling():  # traced once: the plan becomes constants
+        return _cast_plan(plan, dtype)
+    return _cached_cast_plan(plan, dtype)
 
 
 def _compress(name: str, dtype: torch.dtype, inner: Hook | None) -> Hook:

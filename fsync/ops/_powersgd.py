@@ -62,34 +62,49 @@ class PowerSGDState(NamedTuple):
 
 
 class _Segment(NamedTuple):
+    """One leaf's elements in the bucket, and where they go: the compressed or the rest."""
+
     offset: int
     numel: int
     compressed: bool
+    position: int
+    """Offset among the compressed elements (see :class:`_Layout`) or among the rest."""
+
+
+class _Group(NamedTuple):
+    """``count`` matrices of ``rows`` x ``cols``, compressed at ``rank``, one after another."""
+
+    count: int
+    rows: int
+    cols: int
+    rank: int
 
 
 class _Layout(NamedTuple):
     """How one bucket is compressed: a static function of the plan and the settings.
 
-    The compressed segments, in bucket order and followed by ``padding`` zeros,
-    are read as the ``matrices`` (rows, cols, rank) one after the other; the
-    other segments are all-reduced as they are.
+    The compressed elements are the compressed segments gathered by matrix
+    shape (as DDP batches them), then ``padding`` zeros: each group is one
+    contiguous block, read as a batch of matrices and multiplied in one call.
+    P, Q and the error feedback follow the same order. The other segments are
+    averaged as they are.
     """
 
     segments: tuple[_Segment, ...]
-    matrices: tuple[tuple[int, int, int], ...]
+    groups: tuple[_Group, ...]
     padding: int = 0
 
     @property
     def compressed_numel(self) -> int:
-        return sum(n * m for n, m, _ in self.matrices)
+        return sum(g.count * g.rows * g.cols for g in self.groups)
 
     @property
-    def uncompressed_numel(self) -> int:
-        return sum(s.numel for s in self.segments if not s.compressed)
+    def p_numel(self) -> int:
+        return sum(g.count * g.rows * g.rank for g in self.groups)
 
     @property
     def q_numel(self) -> int:
-        return sum(m * r for _, m, r in self.matrices)
+        return sum(g.count * g.cols * g.rank for g in self.groups)
 
 
 LayoutFn = Callable[[BucketPlan, BucketSpec], _Layout]
@@ -104,8 +119,9 @@ def _worth_compressing(rows: int, cols: int, rank: int, min_compression_rate: fl
 def _per_leaf_layout(
     plan: BucketPlan, spec: BucketSpec, rank: int, min_compression_rate: float
 ) -> _Layout:
-    segments, matrices = [], []
-    for i, offset, numel in zip(spec.leaves, spec.offsets, spec.sizes, strict=True):
+    shapes: dict[tuple[int, int, int], list[int]] = {}  # first-seen order, as DDP's
+    compressed: list[bool] = []
+    for k, (i, numel) in enumerate(zip(spec.leaves, spec.sizes, strict=True)):
         leaf = plan.leaves[i]
         assert leaf is not None
         # A leaf's elements sit in its memory order, so its matrix is its outermost
@@ -114,11 +130,24 @@ def _per_leaf_layout(
         rows = leaf.shape[leaf.perm[0]] if leaf.shape else 1
         cols = numel // rows if rows else 0
         r = min(rows, cols, rank)
-        compressed = _worth_compressing(rows, cols, r, min_compression_rate)
-        segments.append(_Segment(offset, numel, compressed))
-        if compressed:
-            matrices.append((rows, cols, r))
-    return _Layout(tuple(segments), tuple(matrices))
+        compressed.append(_worth_compressing(rows, cols, r, min_compression_rate))
+        if compressed[-1]:
+            shapes.setdefault((rows, cols, r), []).append(k)
+    position = {}
+    start = 0
+    for (rows, cols, _), members in shapes.items():
+        for k in members:
+            position[k] = start
+            start += rows * cols
+    segments, rest = [], 0
+    for k, (offset, numel) in enumerate(zip(spec.offsets, spec.sizes, strict=True)):
+        if compressed[k]:
+            segments.append(_Segment(offset, numel, True, position[k]))
+        else:
+            segments.append(_Segment(offset, numel, False, rest))
+            rest += numel
+    groups = tuple(_Group(len(members), *shape) for shape, members in shapes.items())
+    return _Layout(tuple(segments), groups)
 
 
 def _batched_layout(
@@ -127,8 +156,10 @@ def _batched_layout(
     side = math.isqrt(spec.numel - 1) + 1 if spec.numel else 0  # ceil(sqrt(numel))
     r = min(side, rank)
     if spec.numel == 0 or not 2 * side * r * min_compression_rate < spec.numel:
-        return _Layout((_Segment(0, spec.numel, False),), ())
-    return _Layout((_Segment(0, spec.numel, True),), ((side, side, r),), side * side - spec.numel)
+        return _Layout((_Segment(0, spec.numel, False, 0),), ())
+    return _Layout(
+        (_Segment(0, spec.numel, True, 0),), (_Group(1, side, side, r),), side * side - spec.numel
+    )
 
 
 # --- randomness -------------------------------------------------------------------------------
@@ -178,34 +209,35 @@ def _gaussian(numel: int, key: torch.Tensor, dtype: torch.dtype, device: torch.d
 # --- linear algebra ---------------------------------------------------------------------------
 
 
-def _normalise(col: torch.Tensor, epsilon: float) -> torch.Tensor:
-    norm = torch.linalg.vector_norm(col)
+def _normalise(cols: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Each of a batch of column vectors (batch, n) divided by its norm."""
+    norm = torch.linalg.vector_norm(cols, dim=1, keepdim=True)
     if epsilon:
-        return col / (norm + epsilon)
+        return cols / (norm + epsilon)
     # An all-zero column (a leaf whose gradient is zero on every rank) stays zero
     # rather than becoming NaN; DDP means to do the same but divides by zero.
-    return torch.where(norm > 0, col / norm, torch.zeros_like(col))
+    return torch.where(norm > 0, cols / norm, torch.zeros_like(cols))
 
 
-def _orthogonalise(matrix: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """Orthonormal columns spanning ``matrix``'s (n x r, r <= n).
+def _orthogonalise(matrices: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Orthonormal columns spanning each matrix's of a batch (batch, n, r), r <= n.
 
     Modified Gram-Schmidt for rank <= 2, Householder QR above, as DDP does,
     but in at least float32: Gram-Schmidt in half precision (DDP's choice for
     half buckets, which QR does not take) loses orthogonality quickly, and the
-    few columns cost nothing to upcast. The result has ``matrix``'s dtype.
+    few columns cost nothing to upcast. The result has the input's dtype.
     """
-    dtype, rank = matrix.dtype, matrix.shape[1]
-    matrix = matrix.to(torch.promote_types(dtype, torch.float32))
+    dtype, rank = matrices.dtype, matrices.shape[2]
+    matrices = matrices.to(torch.promote_types(dtype, torch.float32))
     if rank > 2:
-        return torch.linalg.qr(matrix).Q.to(dtype)
+        return torch.linalg.qr(matrices).Q.to(dtype)
     cols: list[torch.Tensor] = []
     for i in range(rank):
-        col = matrix[:, i]
+        col = matrices[:, :, i]
         for done in cols:
-            col = col - torch.dot(done, col) * done
+            col = col - (done * col).sum(dim=1, keepdim=True) * done
         cols.append(_normalise(col, epsilon))
-    return torch.stack(cols, dim=1).to(dtype)
+    return torch.stack(cols, dim=2).to(dtype)
 
 
 # --- the hook ---------------------------------------------------------------------------------
@@ -295,7 +327,11 @@ def _powersgd(
             step=torch.zeros((), dtype=torch.int64),
             error=tuple(error),
             q=tuple(q),
-            fingerprint=torch.tensor(plan.fingerprint, dtype=torch.int64),
+            # Hashing the plan does not trace; inside torch.compile init only runs for
+            # sync_grads to find out that the hook keeps state (and refuse it).
+            fingerprint=torch.tensor(
+                -1 if torch.compiler.is_compiling() else plan.fingerprint, dtype=torch.int64
+            ),
         )
 
     def check_state(state: PowerSGDState, ctx: SyncContext, plan_layouts: list[_Layout]) -> None:
@@ -332,55 +368,57 @@ def _powersgd(
         layout: _Layout,
         ctx: SyncContext,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        if not layout.matrices:
+        if not layout.groups:
             out = _comm.all_reduce(ctx.divide(bucket), "sum", ctx.group)
             return out, bucket.new_zeros(0), bucket.new_zeros(0)
-        pieces = [bucket[s.offset : s.offset + s.numel] for s in layout.segments]
-        flags = [s.compressed for s in layout.segments]
+        segments = layout.segments
+        compressed = sorted((s for s in segments if s.compressed), key=lambda s: s.position)
         x = torch.cat(
-            [p for p, c in zip(pieces, flags, strict=True) if c]
+            [bucket[s.offset : s.offset + s.numel] for s in compressed]
             + [bucket.new_zeros(layout.padding)]
         )
         if error is not None:
             x = x + error
-        uncompressed = [p for p, c in zip(pieces, flags, strict=True) if not c]
+        rest = [bucket[s.offset : s.offset + s.numel] for s in segments if not s.compressed]
+        rest = torch.cat(rest) if rest else bucket.new_zeros(0)
         if q is None:
             q = _gaussian(layout.q_numel, _key(seed, b, step), bucket.dtype, bucket.device)
 
-        shapes = layout.matrices
-        ms = _matrices(x, [(n, k) for n, k, _ in shapes])
-        qs = [_orthogonalise(v, orthogonalization_epsilon) for v in _matrices(q, _q_shapes(shapes))]
-        ps = [m @ v for m, v in zip(ms, qs, strict=True)]
+        groups = layout.groups
+        ms = _batches(x, [(g.count, g.rows, g.cols) for g in groups])
+        qs = [
+            _orthogonalise(v, orthogonalization_epsilon)
+            for v in _batches(q, [(g.count, g.cols, g.rank) for g in groups])
+        ]
+        ps = [torch.bmm(m, v) for m, v in zip(ms, qs, strict=True)]
         # One collective for the Ps (summed: they are orthonormalised next, so their
         # scale does not matter) and the mean of the uncompressed leaves.
-        flat_u = torch.cat(uncompressed) if uncompressed else bucket.new_zeros(0)
         reduced = _comm.all_reduce(
-            torch.cat([ctx.divide(flat_u), *(p.reshape(-1) for p in ps)]), "sum", ctx.group
+            torch.cat([ctx.divide(rest), *(p.reshape(-1) for p in ps)]), "sum", ctx.group
         )
-        mean_u = reduced[: flat_u.numel()]
-        p_sum = _matrices(reduced[flat_u.numel() :], [(n, r) for n, _, r in shapes])
-        ps = [_orthogonalise(p, orthogonalization_epsilon) for p in p_sum]
-        q_local = torch.cat([(m.T @ p).reshape(-1) for m, p in zip(ms, ps, strict=True)])
-        new_qs = _matrices(
-            _comm.all_reduce(ctx.divide(q_local), "sum", ctx.group), _q_shapes(shapes)
+        mean_rest = reduced[: rest.numel()]
+        p_sums = _batches(reduced[rest.numel() :], [(g.count, g.rows, g.rank) for g in groups])
+        ps = [_orthogonalise(p, orthogonalization_epsilon) for p in p_sums]
+        q_local = torch.cat(
+            [torch.bmm(m.transpose(1, 2), p).reshape(-1) for m, p in zip(ms, ps, strict=True)]
         )
-        approx = torch.cat([(p @ v.T).reshape(-1) for p, v in zip(ps, new_qs, strict=True)])
+        q_mean = _comm.all_reduce(ctx.divide(q_local), "sum", ctx.group)
+        new_qs = _batches(q_mean, [(g.count, g.cols, g.rank) for g in groups])
+        approx = torch.cat(
+            [torch.bmm(p, v.transpose(1, 2)).reshape(-1) for p, v in zip(ps, new_qs, strict=True)]
+        )
 
-        out, used_c, used_u = [], 0, 0
-        for s in layout.segments:
-            if s.compressed:
-                out.append(approx[used_c : used_c + s.numel])
-                used_c += s.numel
-            else:
-                out.append(mean_u[used_u : used_u + s.numel])
-                used_u += s.numel
+        out = [
+            (approx if s.compressed else mean_rest)[s.position : s.position + s.numel]
+            for s in segments
+        ]
         new_error = x - approx if error is not None else None
         new_q = None
         if warm_start:
             # A column that came back all zeros (the leaf's gradient was zero on every
             # rank) would stay zero for good; keep the column used this step instead.
             kept = [
-                torch.where(torch.linalg.vector_norm(v, dim=0) > 0, v, used)
+                torch.where(torch.linalg.vector_norm(v, dim=1, keepdim=True) > 0, v, used)
                 for v, used in zip(new_qs, qs, strict=True)
             ]
             new_q = torch.cat([v.reshape(-1) for v in kept])
@@ -444,14 +482,10 @@ def _powersgd(
     return Hook(init, apply)
 
 
-def _matrices(flat: torch.Tensor, shapes: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
-    """Consecutive matrices of the given shapes read from a 1-D tensor (views)."""
-    pieces = torch.split(flat, [n * m for n, m in shapes])
-    return [p.view(n, m) for p, (n, m) in zip(pieces, shapes, strict=True)]
-
-
-def _q_shapes(matrices: Sequence[tuple[int, int, int]]) -> list[tuple[int, int]]:
-    return [(m, r) for _, m, r in matrices]
+def _batches(flat: torch.Tensor, shapes: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:
+    """Consecutive (batch, rows, cols) blocks of a 1-D tensor, as views."""
+    pieces = torch.split(flat, [math.prod(shape) for shape in shapes])
+    return [p.view(shape) for p, shape in zip(pieces, shapes, strict=True)]
 
 
 def powersgd(
