@@ -187,5 +187,8 @@ def test_bad_settings_and_integer_buckets_raise():
     tree = {"n": torch.zeros(4, dtype=torch.int64)}
     plan = fsync.plan_buckets(tree)
     ctx = fsync.SyncContext(plan, plan.specs, None, 0, 1, 1)
-    with pytest.raises(TypeError, match=r"quantize got bucket 0 of dtype torch\.int64"):
+    with pytest.raises(
+        TypeError,
+        match=r"quantize got bucket 0 of dtype torch\.int64 \(first leaf 'n'\); it works on",
+    ):
         fsync.ops.quantize().apply(fsync.pack(tree, plan), (), ctx)

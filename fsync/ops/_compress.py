@@ -15,25 +15,9 @@ from typing import Any
 import torch
 
 from fsync._hook import Buckets, Hook, SyncContext, check_hook
-from fsync._plan import BucketPlan, BucketSpec
+from fsync._plan import BucketPlan
 from fsync.ops._allreduce import allreduce
-
-_NOT_FLOAT = (
-    "{name} got bucket {index} of dtype {dtype} (first leaf {path!r}); only floating point "
-    "buckets can be cast to {target}. Keep integer and complex tensors out of the tree you sync."
-)
-
-
-def _check_floating(
-    name: str, target: torch.dtype, plan: BucketPlan, specs: tuple[BucketSpec, ...]
-) -> None:
-    for b, spec in enumerate(specs):
-        if not spec.dtype.is_floating_point:
-            leaf = plan.leaves[spec.leaves[0]]
-            path = leaf.path if leaf is not None else "?"
-            raise TypeError(
-                _NOT_FLOAT.format(name=name, index=b, dtype=spec.dtype, path=path, target=target)
-            )
+from fsync.ops._checks import check_floating
 
 
 def _cast_plan(plan: BucketPlan, dtype: torch.dtype) -> BucketPlan:
@@ -63,11 +47,11 @@ def _compress(name: str, dtype: torch.dtype, inner: Hook | None) -> Hook:
     inner = check_hook(allreduce("mean") if inner is None else inner)
 
     def init(plan: BucketPlan) -> Any:
-        _check_floating(name, dtype, plan, tuple(s for s in plan.specs if not s.sparse))
+        check_floating(name, plan, [s for s in plan.specs if not s.sparse])
         return inner.init(cast_plan(plan, dtype))
 
     def apply(buckets: Buckets, state: Any, ctx: SyncContext) -> tuple[Buckets, Any]:
-        _check_floating(name, dtype, ctx.plan, ctx.buckets)
+        check_floating(name, ctx.plan, ctx.buckets)
         inner_ctx = ctx._replace(
             plan=cast_plan(ctx.plan, dtype),
             buckets=tuple(spec._replace(dtype=dtype) for spec in ctx.buckets),

@@ -34,6 +34,7 @@ from fsync import _comm
 from fsync._hook import Buckets, Hook, SyncContext
 from fsync._plan import BucketPlan, BucketSpec
 from fsync._serialization import register_state
+from fsync.ops._checks import check_floating
 
 _MASK32 = 0xFFFFFFFF
 
@@ -105,6 +106,25 @@ class _Layout(NamedTuple):
     @property
     def q_numel(self) -> int:
         return sum(g.count * g.cols * g.rank for g in self.groups)
+
+    def split(self, bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's compressed elements (in compression order) and the rest."""
+        compressed = sorted((s for s in self.segments if s.compressed), key=lambda s: s.position)
+        rest = [bucket[s.offset : s.offset + s.numel] for s in self.segments if not s.compressed]
+        x = torch.cat(
+            [bucket[s.offset : s.offset + s.numel] for s in compressed]
+            + [bucket.new_zeros(self.padding)]
+        )
+        return x, torch.cat(rest) if rest else bucket.new_zeros(0)
+
+    def join(self, compressed: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`split`: the bucket from its two parts."""
+        return torch.cat(
+            [
+                (compressed if s.compressed else rest)[s.position : s.position + s.numel]
+                for s in self.segments
+            ]
+        )
 
 
 LayoutFn = Callable[[BucketPlan, BucketSpec], _Layout]
@@ -281,17 +301,6 @@ def _dense(specs: Sequence[BucketSpec]) -> tuple[BucketSpec, ...]:
     return tuple(spec for spec in specs if not spec.sparse)
 
 
-def _check_floating(name: str, plan: BucketPlan, specs: Sequence[BucketSpec]) -> None:
-    for b, spec in enumerate(specs):
-        if not spec.dtype.is_floating_point:
-            leaf = plan.leaves[spec.leaves[0]]
-            path = leaf.path if leaf is not None else "?"
-            raise TypeError(
-                f"{name} got bucket {b} of dtype {spec.dtype} (first leaf {path!r}); it "
-                "compresses floating point buckets only. Keep integer tensors out of the tree."
-            )
-
-
 def _powersgd(
     name: str,
     layout_of: LayoutFn,
@@ -309,7 +318,7 @@ def _powersgd(
 
     def init(plan: BucketPlan) -> PowerSGDState:
         specs = _dense(plan.specs)
-        _check_floating(name, plan, specs)
+        check_floating(name, plan, specs)
         error, q = [], []
         for b, (spec, layout) in enumerate(zip(specs, layouts(plan, specs), strict=True)):
             zeros = torch.zeros(
@@ -367,72 +376,31 @@ def _powersgd(
         step: torch.Tensor,
         layout: _Layout,
         ctx: SyncContext,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        if not layout.groups:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The synced bucket, this rank's new error and the new Q (empty when not kept)."""
+        if not layout.groups:  # nothing worth compressing: DDP's plain mean
             out = _comm.all_reduce(ctx.divide(bucket), "sum", ctx.group)
             return out, bucket.new_zeros(0), bucket.new_zeros(0)
-        segments = layout.segments
-        compressed = sorted((s for s in segments if s.compressed), key=lambda s: s.position)
-        x = torch.cat(
-            [bucket[s.offset : s.offset + s.numel] for s in compressed]
-            + [bucket.new_zeros(layout.padding)]
-        )
+        x, rest = layout.split(bucket)
         if error is not None:
             x = x + error
-        rest = [bucket[s.offset : s.offset + s.numel] for s in segments if not s.compressed]
-        rest = torch.cat(rest) if rest else bucket.new_zeros(0)
-        if q is None:
+        if q is None:  # no warm start: a fresh draw for this bucket and step
             q = _gaussian(layout.q_numel, _key(seed, b, step), bucket.dtype, bucket.device)
-
-        groups = layout.groups
-        ms = _batches(x, [(g.count, g.rows, g.cols) for g in groups])
-        qs = [
-            _orthogonalise(v, orthogonalization_epsilon)
-            for v in _batches(q, [(g.count, g.cols, g.rank) for g in groups])
-        ]
-        ps = [torch.bmm(m, v) for m, v in zip(ms, qs, strict=True)]
-        # One collective for the Ps (summed: they are orthonormalised next, so their
-        # scale does not matter) and the mean of the uncompressed leaves.
-        reduced = _comm.all_reduce(
-            torch.cat([ctx.divide(rest), *(p.reshape(-1) for p in ps)]), "sum", ctx.group
+        approx, mean_rest, new_q = _power_step(
+            x, rest, q, layout.groups, orthogonalization_epsilon, ctx
         )
-        mean_rest = reduced[: rest.numel()]
-        p_sums = _batches(reduced[rest.numel() :], [(g.count, g.rows, g.rank) for g in groups])
-        ps = [_orthogonalise(p, orthogonalization_epsilon) for p in p_sums]
-        q_local = torch.cat(
-            [torch.bmm(m.transpose(1, 2), p).reshape(-1) for m, p in zip(ms, ps, strict=True)]
-        )
-        q_mean = _comm.all_reduce(ctx.divide(q_local), "sum", ctx.group)
-        new_qs = _batches(q_mean, [(g.count, g.cols, g.rank) for g in groups])
-        approx = torch.cat(
-            [torch.bmm(p, v.transpose(1, 2)).reshape(-1) for p, v in zip(ps, new_qs, strict=True)]
-        )
-
-        out = [
-            (approx if s.compressed else mean_rest)[s.position : s.position + s.numel]
-            for s in segments
-        ]
-        new_error = x - approx if error is not None else None
-        new_q = None
-        if warm_start:
-            # A column that came back all zeros (the leaf's gradient was zero on every
-            # rank) would stay zero for good; keep the column used this step instead.
-            kept = [
-                torch.where(torch.linalg.vector_norm(v, dim=1, keepdim=True) > 0, v, used)
-                for v, used in zip(new_qs, qs, strict=True)
-            ]
-            new_q = torch.cat([v.reshape(-1) for v in kept])
-        return torch.cat(out), new_error, new_q
+        new_error = x - approx if error is not None else bucket.new_zeros(0)
+        return layout.join(approx, mean_rest), new_error, new_q if warm_start else q.new_zeros(0)
 
     def apply(
         buckets: Buckets, state: PowerSGDState, ctx: SyncContext
     ) -> tuple[Buckets, PowerSGDState]:
-        _check_floating(name, ctx.plan, ctx.buckets)
+        check_floating(name, ctx.plan, ctx.buckets)
         plan_layouts = layouts(ctx.plan, ctx.buckets)
         check_state(state, ctx, plan_layouts)
         n = len(buckets)
 
-        def compressed(
+        def compress_all(
             buckets: list[torch.Tensor], error: Carry, q: Carry, step: torch.Tensor
         ) -> tuple[list[torch.Tensor], Carry, Carry]:
             results = [
@@ -452,7 +420,7 @@ def _powersgd(
             new_q = tuple(r[2] for r in results) if warm_start else ()
             return out, new_error, new_q
 
-        def plain(
+        def allreduce_all(
             buckets: list[torch.Tensor], error: Carry, q: Carry, step: torch.Tensor
         ) -> tuple[list[torch.Tensor], Carry, Carry]:
             out = [_comm.all_reduce(ctx.divide(b), "sum", ctx.group) for b in buckets]
@@ -466,11 +434,14 @@ def _powersgd(
             state.step,
         )
         if start_step == 0:
-            out, error, q = compressed(*operands)
+            out, error, q = compress_all(*operands)
         elif torch.compiler.is_compiling():
-            out, error, q = torch.cond(state.step >= start_step, compressed, plain, operands)
+            # One graph for both sides of start_step, chosen by the tensor counter.
+            out, error, q = torch.cond(
+                state.step >= start_step, compress_all, allreduce_all, operands
+            )
         else:
-            branch = compressed if int(state.step) >= start_step else plain
+            branch = compress_all if int(state.step) >= start_step else allreduce_all
             out, error, q = branch(*operands)
         new_state = state._replace(
             step=state.step + 1,
@@ -480,6 +451,48 @@ def _powersgd(
         return list(out), new_state
 
     return Hook(init, apply)
+
+
+def _power_step(
+    x: torch.Tensor,
+    rest: torch.Tensor,
+    q: torch.Tensor,
+    groups: Sequence[_Group],
+    epsilon: float,
+    ctx: SyncContext,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One PowerSGD step over a bucket's matrices ``x``, with the mean of ``rest`` on the side.
+
+    Returns the synced matrices ``P Q^T`` (flat, as ``x``), the mean of ``rest`` and
+    the averaged Q to start the next step from.
+    """
+    ms = _batches(x, [(g.count, g.rows, g.cols) for g in groups])
+    qs = [
+        _orthogonalise(v, epsilon) for v in _batches(q, [(g.count, g.cols, g.rank) for g in groups])
+    ]
+    ps = [torch.bmm(m, v) for m, v in zip(ms, qs, strict=True)]
+    # One collective for the Ps (summed: they are orthonormalised next, so their scale
+    # does not matter) and the mean of the uncompressed leaves.
+    reduced = _comm.all_reduce(
+        torch.cat([ctx.divide(rest), *(p.reshape(-1) for p in ps)]), "sum", ctx.group
+    )
+    p_sums = _batches(reduced[rest.numel() :], [(g.count, g.rows, g.rank) for g in groups])
+    ps = [_orthogonalise(p, epsilon) for p in p_sums]
+    q_local = torch.cat(
+        [torch.bmm(m.transpose(1, 2), p).reshape(-1) for m, p in zip(ms, ps, strict=True)]
+    )
+    q_mean = _comm.all_reduce(ctx.divide(q_local), "sum", ctx.group)
+    new_qs = _batches(q_mean, [(g.count, g.cols, g.rank) for g in groups])
+    approx = torch.cat(
+        [torch.bmm(p, v.transpose(1, 2)).reshape(-1) for p, v in zip(ps, new_qs, strict=True)]
+    )
+    # A column that came back all zeros (the leaf's gradient was zero on every rank)
+    # would stay zero for good; keep the column used this step instead.
+    kept = [
+        torch.where(torch.linalg.vector_norm(v, dim=1, keepdim=True) > 0, v, used)
+        for v, used in zip(new_qs, qs, strict=True)
+    ]
+    return approx, reduced[: rest.numel()], torch.cat([v.reshape(-1) for v in kept])
 
 
 def _batches(flat: torch.Tensor, shapes: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ import torch
 
 from fsync import _comm
 from fsync._hook import Buckets, Hook, SyncContext
+from fsync.ops._checks import check_floating
 
 BITS = (1, 2, 4, 8)
 # The observer's floor on the scale, so that a constant bucket does not divide by zero.
@@ -136,12 +137,7 @@ def quantize(bits: int = 8, *, per_channel: bool = False, channel_size: int = 51
         return ctx.divide(total.view(-1)[:numel]).to(bucket.dtype)
 
     def apply(buckets: Buckets, state: Any, ctx: SyncContext) -> tuple[Buckets, Any]:
-        for b, spec in enumerate(ctx.buckets):
-            if not spec.dtype.is_floating_point:
-                raise TypeError(
-                    f"quantize got bucket {b} of dtype {spec.dtype}; it quantises floating "
-                    "point buckets only. Keep integer tensors out of the tree."
-                )
+        check_floating("quantize", ctx.plan, ctx.buckets)
         return [reduce(b, ctx) for b in buckets], state
 
     return Hook(init, apply)
