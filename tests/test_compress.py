@@ -37,8 +37,9 @@ def _half_bound(parts, dtype):
     relative) of a_i / W, so they are within eps * |a_i| / W of each other. The
     W terms are then summed with W - 1 roundings each, possibly in different
     orders: within (W - 1) * u * sum|terms| of the exact sum each, so (W - 1) *
-    eps * sum|a_i| / W apart. Total: eps * sum|a_i|, plus the absolute rounding
-    of subnormal results (half the smallest subnormal per rounding, 2W of them).
+    eps * sum|a_i| / W apart. Total: eps * sum|a_i|, plus, where results are
+    subnormal, half the smallest subnormal for each of the 2 * (2W - 1)
+    roundings of the two (W scalings and W - 1 additions each).
     """
     info = torch.finfo(dtype)
     world_size = len(parts)

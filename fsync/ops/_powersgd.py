@@ -73,9 +73,9 @@ class _Segment(NamedTuple):
 
 
 class _Group(NamedTuple):
-    """``count`` matrices of ``rows`` x ``cols``, compressed at ``rank``, one after another."""
+    """``batch`` matrices of ``rows`` x ``cols``, compressed at ``rank``, one after another."""
 
-    count: int
+    batch: int
     rows: int
     cols: int
     rank: int
@@ -97,15 +97,15 @@ class _Layout(NamedTuple):
 
     @property
     def compressed_numel(self) -> int:
-        return sum(g.count * g.rows * g.cols for g in self.groups)
+        return sum(g.batch * g.rows * g.cols for g in self.groups)
 
     @property
     def p_numel(self) -> int:
-        return sum(g.count * g.rows * g.rank for g in self.groups)
+        return sum(g.batch * g.rows * g.rank for g in self.groups)
 
     @property
     def q_numel(self) -> int:
-        return sum(g.count * g.cols * g.rank for g in self.groups)
+        return sum(g.batch * g.cols * g.rank for g in self.groups)
 
     def split(self, bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The bucket's compressed elements (in compression order) and the rest."""
@@ -284,17 +284,17 @@ def _check_settings(
         )
     if start_step < 0:
         raise ValueError(f"start_step must be >= 0; got {start_step}.")
-    for name, value in (
+    for what, number in (
         ("min_compression_rate", min_compression_rate),
         ("orthogonalization_epsilon", orthogonalization_epsilon),
     ):
         if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-            or value < 0
+            isinstance(number, bool)
+            or not isinstance(number, int | float)
+            or not math.isfinite(number)
+            or number < 0
         ):
-            raise ValueError(f"{name} must be a finite number >= 0; got {value!r}.")
+            raise ValueError(f"{what} must be a finite number >= 0; got {number!r}.")
 
 
 def _dense(specs: Sequence[BucketSpec]) -> tuple[BucketSpec, ...]:
@@ -466,9 +466,9 @@ def _power_step(
     Returns the synced matrices ``P Q^T`` (flat, as ``x``), the mean of ``rest`` and
     the averaged Q to start the next step from.
     """
-    ms = _batches(x, [(g.count, g.rows, g.cols) for g in groups])
+    ms = _batches(x, [(g.batch, g.rows, g.cols) for g in groups])
     qs = [
-        _orthogonalise(v, epsilon) for v in _batches(q, [(g.count, g.cols, g.rank) for g in groups])
+        _orthogonalise(v, epsilon) for v in _batches(q, [(g.batch, g.cols, g.rank) for g in groups])
     ]
     ps = [torch.bmm(m, v) for m, v in zip(ms, qs, strict=True)]
     # One collective for the Ps (summed: they are orthonormalised next, so their scale
@@ -476,13 +476,13 @@ def _power_step(
     reduced = _comm.all_reduce(
         torch.cat([ctx.divide(rest), *(p.reshape(-1) for p in ps)]), "sum", ctx.group
     )
-    p_sums = _batches(reduced[rest.numel() :], [(g.count, g.rows, g.rank) for g in groups])
+    p_sums = _batches(reduced[rest.numel() :], [(g.batch, g.rows, g.rank) for g in groups])
     ps = [_orthogonalise(p, epsilon) for p in p_sums]
     q_local = torch.cat(
         [torch.bmm(m.transpose(1, 2), p).reshape(-1) for m, p in zip(ms, ps, strict=True)]
     )
     q_mean = _comm.all_reduce(ctx.divide(q_local), "sum", ctx.group)
-    new_qs = _batches(q_mean, [(g.count, g.cols, g.rank) for g in groups])
+    new_qs = _batches(q_mean, [(g.batch, g.cols, g.rank) for g in groups])
     approx = torch.cat(
         [torch.bmm(p, v.transpose(1, 2)).reshape(-1) for p, v in zip(ps, new_qs, strict=True)]
     )

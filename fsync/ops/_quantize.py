@@ -53,7 +53,7 @@ def _unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     return values.flatten(-2)[..., :numel]
 
 
-def _wire_numel(numel: int, bits: int, per_channel: bool, channel_size: int) -> tuple[int, int]:
+def _message_size(numel: int, bits: int, per_channel: bool, channel_size: int) -> tuple[int, int]:
     """(channels, bytes) of one rank's message for a bucket of ``numel`` elements."""
     channels = -(-numel // channel_size) if per_channel else 1
     values = channels * channel_size if per_channel else numel
@@ -114,7 +114,7 @@ def quantize(bits: int = 8, *, per_channel: bool = False, channel_size: int = 51
         numel = bucket.numel()
         if numel == 0:
             return bucket
-        channels, message = _wire_numel(numel, bits, per_channel, channel_size)
+        channels, message = _message_size(numel, bits, per_channel, channel_size)
         x = bucket.to(torch.float32)
         if per_channel:
             x = torch.nn.functional.pad(x, (0, channels * channel_size - numel))
@@ -127,13 +127,11 @@ def quantize(bits: int = 8, *, per_channel: bool = False, channel_size: int = 51
         world_size = gathered.shape[0]
         params = gathered[:, : header.numel()].reshape(-1).view(torch.float32)
         scales, zero_points = params.view(world_size, 2, channels).unbind(1)
-        levels_of = _unpack_bits(gathered[:, header.numel() :], bits, x.numel())
-        total = None
-        for r in range(world_size):  # in rank order, as DDP sums them
-            values = levels_of[r].view(channels, -1).to(torch.float32)
-            part = scales[r, :, None] * (values - zero_points[r, :, None])
-            total = part if total is None else total + part
-        assert total is not None
+        received = _unpack_bits(gathered[:, header.numel() :], bits, x.numel())
+        total = torch.zeros_like(x)
+        for r in range(world_size):  # dequantised and summed in rank order, as DDP sums them
+            values = received[r].view(channels, -1).to(torch.float32)
+            total = total + scales[r, :, None] * (values - zero_points[r, :, None])
         return ctx.divide(total.view(-1)[:numel]).to(bucket.dtype)
 
     def apply(buckets: Buckets, state: Any, ctx: SyncContext) -> tuple[Buckets, Any]:
