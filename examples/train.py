@@ -3,12 +3,15 @@
 Run with two CPU processes on gloo:
 
     torchrun --standalone --nproc-per-node 2 examples/train.py
+    torchrun --standalone --nproc-per-node 2 examples/train.py --hook powersgd --powersgd-rank 4
 
 Each rank trains the same MLP on its own shard of a synthetic regression task
-(a fixed random "teacher" network), syncing gradients with ``fsync.sync_grads``
-inside one compiled function (forward, backward, sync, Adam update). It prints
-the bucket plan, shows progress and loss, and ends by checking that every rank
-holds bit-identical parameters. ``--backend nccl --device cuda`` runs it on GPUs.
+(a fixed random "teacher" network), syncing gradients inside one compiled
+function (forward, backward, sync, Adam update): with ``fsync.sync_grads`` for
+stateless hooks, with ``fsync.GradSync`` and its state for PowerSGD. It prints
+the bucket plan, shows progress and loss, reports the loss on held-out data,
+and ends by checking that every rank holds bit-identical parameters.
+``--backend nccl --device cuda`` runs it on GPUs.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,18 +29,33 @@ from tqdm import tqdm
 
 import fsync
 
+HOOKS = ("allreduce", "fp16", "bf16", "powersgd", "quantize")
 
-def parse_args() -> argparse.Namespace:
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=64, help="per-rank batch size")
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--bucket-cap-mb", type=float, default=0.25)
+    parser.add_argument("--hook", choices=HOOKS, default="allreduce", help="how buckets are synced")
+    parser.add_argument("--powersgd-rank", type=int, default=4, help="rank of PowerSGD's P and Q")
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-compile", action="store_true", help="run the step eagerly")
-    return parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def make_hook(name: str, powersgd_rank: int) -> fsync.Hook:
+    """The hook named on the command line."""
+    return {
+        "allreduce": fsync.ops.allreduce,
+        "fp16": fsync.ops.fp16_compress,
+        "bf16": fsync.ops.bf16_compress,
+        "powersgd": lambda: fsync.ops.powersgd(powersgd_rank),
+        "quantize": fsync.ops.quantize,
+    }[name]()
 
 
 def make_model(width: int) -> nn.Module:
@@ -62,15 +82,9 @@ def adam(params, grads, state, lr, betas=(0.9, 0.999), eps=1e-8):
     return new, (m, v, step)
 
 
-def main() -> None:
-    args = parse_args()
-    dist.init_process_group(args.backend)
+def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Trains on every rank of the initialised default group; returns losses and parameters."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-
     torch.manual_seed(0)  # the same teacher and initial student on every rank
     teacher = make_model(64).to(device)
     model = make_model(args.width).to(device)
@@ -82,15 +96,23 @@ def main() -> None:
         torch.zeros((), device=device),
     )
     sync_options = {"bucket_cap_mb": args.bucket_cap_mb, "first_bucket_mb": args.bucket_cap_mb}
+    hook = make_hook(args.hook, args.powersgd_rank)
+    # A hook that keeps state (PowerSGD's error feedback and Q) needs GradSync, whose
+    # state is threaded through the step like the optimizer's.
+    grad_sync = fsync.GradSync(hook=hook, **sync_options) if args.hook == "powersgd" else None
+    sync_state = grad_sync.init(params) if grad_sync is not None else ()
 
     def loss_fn(params, x, y):
         return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
 
-    def train_step(params, opt_state, x, y):
+    def train_step(params, opt_state, sync_state, x, y):
         loss, grads = torch.func.grad_and_value(loss_fn)(params, x, y)[::-1]
-        grads = fsync.sync_grads(grads, **sync_options)
+        if grad_sync is None:
+            grads = fsync.sync_grads(grads, hook=hook, **sync_options)
+        else:
+            grads, sync_state = grad_sync(grads, sync_state)
         params, opt_state = adam(params, grads, opt_state, args.lr)
-        return params, opt_state, loss
+        return params, opt_state, sync_state, loss
 
     step_fn = train_step if args.no_compile else torch.compile(train_step, fullgraph=True)
     if rank == 0:
@@ -98,7 +120,7 @@ def main() -> None:
         n = sum(p.numel() for p in params.values())
         print(
             f"fsync {fsync.__version__}: {world_size} ranks on {args.backend}, "
-            f"{n:,} parameters, {mode}"
+            f"{n:,} parameters, hook {args.hook}, {mode}"
         )
         print(fsync.plan_buckets(params, **sync_options))
 
@@ -109,7 +131,7 @@ def main() -> None:
         x = torch.randn(args.batch, 32, generator=data).to(device)
         with torch.no_grad():
             y = teacher(x)
-        params, opt_state, loss = step_fn(params, opt_state, x, y)
+        params, opt_state, sync_state, loss = step_fn(params, opt_state, sync_state, x, y)
         if step % 25 == 0 or step == args.steps - 1:
             # The loss shown is the mean over ranks.
             total = loss.detach().clone()
@@ -120,14 +142,37 @@ def main() -> None:
                 first_loss = mean_loss
     elapsed = time.perf_counter() - started
 
+    # Held-out data, the same on every rank.
+    held_out = torch.Generator(device="cpu").manual_seed(12345)
+    x = torch.randn(4096, 32, generator=held_out).to(device)
+    with torch.no_grad():
+        test_loss = loss_fn(params, x, teacher(x)).item()
+    return {
+        "first_loss": first_loss,
+        "last_loss": mean_loss,
+        "test_loss": test_loss,
+        "elapsed": elapsed,
+        "params": params,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group(args.backend)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    result = train(args, device)
     # Every rank must end with the same parameters, bit for bit.
-    fsync.verify(params, values=True)
-    if rank == 0:
+    fsync.verify(result["params"], values=True)
+    if dist.get_rank() == 0:
         print(
-            f"loss {first_loss:.4f} -> {mean_loss:.4f} in {args.steps} steps ({elapsed:.1f} s, "
-            f"first step includes compilation)"
+            f"loss {result['first_loss']:.4f} -> {result['last_loss']:.4f} in {args.steps} steps "
+            f"({result['elapsed']:.1f} s, first step includes compilation); held-out loss "
+            f"{result['test_loss']:.5f}"
         )
-        print(f"OK: parameters identical on all {world_size} ranks")
+        print(f"OK: parameters identical on all {dist.get_world_size()} ranks")
     dist.destroy_process_group()
 
 

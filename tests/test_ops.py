@@ -1,0 +1,155 @@
+"""The hooks together: noop, composition, and every compressing hook under torch.compile.
+
+Functions named ``_on_rank_*`` run on every rank of a :class:`World`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsync
+from fsync import _comm
+from tests._models import func_loss, params_of, ref_batch, ref_model
+from tests._world import World
+
+CAP = {"bucket_cap_mb": 0.001, "first_bucket_mb": 0.001}  # several buckets
+
+
+def _on_rank_noop():
+    model = ref_model()
+    grads = torch.func.grad(func_loss(model))(params_of(model), ref_batch(dist.get_rank()))
+    fsync.sync_grads(grads, **CAP)  # the one-off check that all ranks have the same plan
+    calls = []
+    originals = (_comm.all_reduce, _comm.all_gather)
+    _comm.all_reduce = lambda *a: calls.append("all_reduce") or originals[0](*a)
+    _comm.all_gather = lambda *a: calls.append("all_gather") or originals[1](*a)
+    try:
+        out = fsync.sync_grads(grads, hook=fsync.ops.noop(), **CAP)
+    finally:
+        _comm.all_reduce, _comm.all_gather = originals
+    assert calls == []
+    for k in grads:  # each rank keeps its own gradients, layouts included
+        assert torch.equal(out[k], grads[k]) and out[k].stride() == grads[k].stride()
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_noop_communicates_nothing(world: World):
+    world.run(_on_rank_noop)
+
+
+def _on_rank_composition():
+    rank = dist.get_rank()
+    model = ref_model()
+    params = params_of(model)
+    inner = fsync.ops.bf16_compress(fsync.ops.powersgd(4, start_step=1))
+    composed = fsync.GradSync(hook=fsync.chain(fsync.ops.noop(), inner), **CAP)
+    alone = fsync.GradSync(hook=inner, **CAP)
+    state_c, state_a = composed.init(params), alone.init(params)
+    assert state_c.hook[0] == () and isinstance(state_c.hook[1], fsync.ops.PowerSGDState)
+    for step in range(3):
+        grads = torch.func.grad(func_loss(model))(params, ref_batch(rank, step))
+        out_c, state_c = composed(grads, state_c)
+        out_a, state_a = alone(grads, state_a)
+        assert all(torch.equal(out_c[k], out_a[k]) for k in grads), step
+        assert all(out_c[k].dtype == torch.float32 for k in grads)
+    assert int(state_c.hook[1].step) == 3
+    # Stateless hooks compose in sync_grads too: quantise, then average the result again
+    # (x * 0.5 + x * 0.5 == x on two ranks: the values are already equal everywhere).
+    twice = fsync.chain(fsync.ops.quantize(8), fsync.ops.allreduce())
+    once = fsync.sync_grads(grads, hook=fsync.ops.quantize(8), **CAP)
+    again = fsync.sync_grads(grads, hook=twice, **CAP)
+    assert all(torch.equal(again[k], once[k]) for k in grads)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_hooks_compose_like_functions(world: World):
+    world.run(_on_rank_composition)
+
+
+# --- compile -----------------------------------------------------------------------------------
+
+
+def _on_rank_compiled_hooks():
+    """fp16, quantize and PowerSGD (across its start_step) in one compiled sync."""
+    rank = dist.get_rank()
+    shapes = {"w": (24, 16), "b": (24,), "v": (16, 8)}
+    params = {k: torch.zeros(shape) for k, shape in shapes.items()}
+    syncs = {
+        "fp16": fsync.GradSync(hook=fsync.ops.fp16_compress(), **CAP),
+        "powersgd": fsync.GradSync(hook=fsync.ops.powersgd(2, start_step=2), **CAP),
+    }
+    quantize = fsync.ops.quantize(4, per_channel=True, channel_size=64)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+
+    def sync_all(grads, states):
+        out = {"quantize": fsync.sync_grads(grads, hook=quantize, **CAP)}
+        new_states = {}
+        for name, sync in syncs.items():
+            out[name], new_states[name] = sync(grads, states[name])
+        return out, new_states
+
+    compiled = torch.compile(sync_all, fullgraph=True, backend=backend)
+    eager_states = compiled_states = {name: sync.init(params) for name, sync in syncs.items()}
+    for s in range(4):
+        g = torch.Generator().manual_seed(10 * s + rank)
+        grads = {k: torch.randn(shape, generator=g) for k, shape in shapes.items()}
+        eager, eager_states = sync_all(grads, eager_states)
+        out, compiled_states = compiled(grads, compiled_states)
+        for k in grads:
+            assert torch.equal(out["quantize"][k], eager["quantize"][k]), (s, k)
+            # Inductor scales the float32 value and rounds to float16 once, where eager
+            # rounds to float16 before scaling too. Scaling by 1/2 is exact but for
+            # subnormal results: one float16 subnormal step (2**-24) per rank, and one
+            # float16 rounding (eps) where that moves the sum across a rounding point.
+            torch.testing.assert_close(
+                out["fp16"][k], eager["fp16"][k], rtol=torch.finfo(torch.float16).eps, atol=2**-23
+            )
+            # PowerSGD's matmuls and norms are reductions, which inductor may order
+            # differently: a few float32 ulps, spread by the matmuls over a leaf.
+            torch.testing.assert_close(
+                out["powersgd"][k], eager["powersgd"][k], rtol=1e-5, atol=1e-6
+            )
+        assert int(compiled_states["powersgd"].hook.step) == s + 1
+    assert len(graphs) == 1, "recompiled"
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert any("cond" in t for t in targets), "start_step should be a torch.cond"
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_hooks_compile_without_graph_breaks_or_recompiles(world: World):
+    world.run(_on_rank_compiled_hooks, timeout=500)
+
+
+def _on_rank_one_rank():
+    """With one rank nothing is communicated, and each hook is its own local round trip."""
+    g = torch.Generator().manual_seed(0)
+    grads = {"w": torch.randn(24, 16, generator=g), "b": torch.randn(24, generator=g)}
+    fp16 = fsync.sync_grads(grads, hook=fsync.ops.fp16_compress())
+    assert all(torch.equal(fp16[k], grads[k].half().float()) for k in grads)
+    values = torch.cat([v.reshape(-1) for v in grads.values()])  # one bucket
+    spread = values.max().clamp(min=0) - values.min().clamp(max=0)
+    for per_channel in (False, True):
+        hook = fsync.ops.quantize(8, per_channel=per_channel, channel_size=100)
+        out = fsync.sync_grads(grads, hook=hook)
+        for k in grads:
+            # Half a level of 255 over the bucket's range (a channel's is smaller),
+            # with room for float32 rounding.
+            assert (out[k] - grads[k]).abs().max() <= (0.5 + 1e-4) * spread / 255, k
+    sync = fsync.GradSync(hook=fsync.ops.powersgd(16, start_step=0, min_compression_rate=0.0))
+    out, _ = sync(grads, sync.init(grads))
+    for k in grads:  # full rank: see test_powersgd.test_full_rank_gives_the_exact_mean
+        err = torch.linalg.vector_norm(out[k] - grads[k])
+        assert err <= 64 * torch.finfo(torch.float32).eps * torch.linalg.vector_norm(grads[k])
+
+
+@pytest.mark.parametrize("world", [1], indirect=True)
+def test_every_hook_runs_on_one_rank(world: World):
+    world.run(_on_rank_one_rank)

@@ -1,0 +1,465 @@
+"""PowerSGD: exactness at full rank, error feedback, wire size, DDP parity, state, misuse.
+
+Functions named ``_on_rank_*`` run on every rank of a :class:`World`.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import io
+import math
+import pathlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ddp_powersgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fsync
+from fsync import _comm
+from tests._world import World
+
+CAP = {"bucket_cap_mb": 0.001, "first_bucket_mb": 0.001}  # several buckets
+EPS = torch.finfo(torch.float32).eps
+
+
+def _grads(rank, step, *, drift=None):
+    """Gradients of every kind of leaf; different on every rank and step."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    grads = {
+        "conv": randn(8, 3, 3, 3).to(memory_format=torch.channels_last),
+        "w": randn(24, 16),
+        "t": randn(6, 10).t(),  # transposed: its memory holds a 10 x 6 matrix
+        "x3": randn(6, 4, 5),
+        "b": randn(24),
+        "s": randn(()),
+    }
+    if drift is not None:  # a common signal under per-rank noise
+        grads = {k: drift[k] + 0.3 * v for k, v in grads.items()}
+    return grads
+
+
+def _params():
+    return {k: torch.zeros_like(v) for k, v in _grads(0, 0).items()}
+
+
+def _exact_mean(grads):
+    """The mean over ranks in float64, from every rank's gradients."""
+    out = {}
+    for name, t in grads.items():
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t.contiguous())
+        out[name] = torch.stack([p.double() for p in parts]).mean(0)
+    return out
+
+
+# --- exactness -----------------------------------------------------------------------------------
+
+
+def _on_rank_full_rank_is_exact(batched):
+    rank = dist.get_rank()
+    # Rank >= min(rows, cols) of every matrix and a rate of 0, so that every leaf
+    # (vectors and scalars included) is compressed, losslessly.
+    settings = {"start_step": 0, "min_compression_rate": 0.0}
+    hook = (
+        fsync.ops.batched_powersgd(10**4, **settings)
+        if batched
+        else fsync.ops.powersgd(64, **settings)
+    )
+    sync = fsync.GradSync(hook=hook, **CAP)
+    state = sync.init(_params())
+    numel = sum(v.numel() for v in _params().values())
+    compressed = sum(e.numel() for e in state.hook.error)
+    assert compressed >= numel  # everything is compressed (batched: plus padding)
+    for step in range(2):  # the second step starts from the first one's Q (warm start)
+        grads = _grads(rank, step)
+        out, state = sync(grads, state)
+        for name, mean in _exact_mean(grads).items():
+            # P = M Q and P Q^T go through float32 matmuls and an orthonormalisation
+            # whose columns are orthonormal to a few eps: each leaf comes back within
+            # 64 eps of its norm (measured: under 8 eps).
+            err = torch.linalg.vector_norm(out[name].double() - mean)
+            assert err <= 64 * EPS * torch.linalg.vector_norm(mean), (name, err)
+            assert out[name].stride() == grads[name].stride()
+
+
+@pytest.mark.parametrize("world", [2, 3], indirect=True)
+@pytest.mark.parametrize("batched", [False, True], ids=["per_leaf", "batched"])
+def test_full_rank_gives_the_exact_mean(world: World, batched):
+    world.run(_on_rank_full_rank_is_exact, batched)
+
+
+def _on_rank_error_feedback(rank_, error_feedback):
+    """Relative error of the running sum of synced gradients at steps 10, 25 and 50."""
+    rank = dist.get_rank()
+    drift = _grads(99, 99)  # the same on every rank
+    sync = fsync.GradSync(
+        hook=fsync.ops.powersgd(rank_, start_step=0, error_feedback=error_feedback), **CAP
+    )
+    state = sync.init(_params())
+    synced_sum = exact_sum = None
+    errors = {}
+    for step in range(1, 51):
+        grads = _grads(rank, step, drift=drift)
+        out, state = sync(grads, state)
+        mean = _exact_mean(grads)
+        synced = torch.cat([out[k].double().reshape(-1) for k in mean])
+        exact = torch.cat([mean[k].reshape(-1) for k in mean])
+        synced_sum = synced if synced_sum is None else synced_sum + synced
+        exact_sum = exact if exact_sum is None else exact_sum + exact
+        if step in (10, 25, 50):
+            gap = torch.linalg.vector_norm(synced_sum - exact_sum)
+            errors[step] = (gap / torch.linalg.vector_norm(exact_sum)).item()
+    return errors
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+@pytest.mark.parametrize("rank_", [1, 2, 4])
+def test_error_feedback_keeps_the_running_sum_on_track(world: World, rank_):
+    with_feedback = world.run(_on_rank_error_feedback, rank_, True)[0]
+    without = world.run(_on_rank_error_feedback, rank_, False)[0]
+    # With error feedback what compression drops is delivered later: the running sums
+    # differ by one step's error, so their relative gap shrinks like 1 / steps.
+    assert with_feedback[50] < with_feedback[25] < with_feedback[10], with_feedback
+    assert with_feedback[50] < 0.4 * with_feedback[10], with_feedback
+    # Without it the bias of a low-rank approximation accumulates: no shrinking.
+    assert without[50] > 0.7 * without[10], without
+    assert with_feedback[50] < 0.5 * without[50], (with_feedback, without)
+
+
+# --- what goes on the wire -----------------------------------------------------------------------
+
+
+def _ddp_compressed_numel(shape, rank_, min_compression_rate):
+    """DDP's PowerSGDState.compression_stats bookkeeping for one leaf (numel after)."""
+    n = shape[0] if shape else 1
+    m = math.prod(shape) // n if n else 0
+    r = min(n, m, rank_)
+    if (n + m) * r * min_compression_rate < n * m:
+        return (n + m) * r
+    return n * m
+
+
+def _on_rank_wire_numel(batched, rank_):
+    sizes = []
+    original = _comm.all_reduce
+
+    def recording(x, op, group):
+        sizes.append(x.numel())
+        return original(x, op, group)
+
+    _comm.all_reduce = recording
+    try:
+        factory = fsync.ops.batched_powersgd if batched else fsync.ops.powersgd
+        sync = fsync.GradSync(hook=factory(rank_, start_step=2), **CAP)
+        state = sync.init(_params())
+        per_step = []
+        for step in range(4):
+            sizes.clear()
+            _, state = sync(_grads(dist.get_rank(), step), state)
+            per_step.append(sum(sizes))
+    finally:
+        _comm.all_reduce = original
+    return per_step, [spec.numel for spec in sync.plan.specs]
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+@pytest.mark.parametrize("rank_", [1, 3])
+@pytest.mark.parametrize("batched", [False, True], ids=["per_leaf", "batched"])
+def test_compression_ratio_is_the_theoretical_one(world: World, batched, rank_):
+    (per_step, bucket_numels), _ = world.run(_on_rank_wire_numel, batched, rank_)
+    shapes = [tuple(v.shape) for v in _grads(0, 0).values()]
+    before = sum(math.prod(s) for s in shapes)
+    if batched:
+        after = 0
+        for numel in bucket_numels:
+            side = math.ceil(math.sqrt(numel))
+            r = min(side, rank_)
+            after += 2 * side * r if 2 * side * r * 2.0 < numel else numel
+    else:
+        after = sum(_ddp_compressed_numel(s, rank_, 2.0) for s in shapes)
+    assert after < before  # something is compressed
+    # Plain all-reduce before start_step, then the compressed size, every step.
+    assert per_step == [before, before, after, after]
+
+
+# --- parity with DDP's powerSGD_hook ---------------------------------------------------------
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(32, 24)
+        self.b = nn.Linear(24, 24)
+        self.b2 = nn.Linear(24, 24)  # a second matrix of b's shape: batched together
+        self.c = nn.Linear(24, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.c(torch.tanh(self.b2(torch.tanh(self.b(h)))))
+
+
+def _mlp_batch(rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+
+
+def _on_rank_ddp_parity(rank_):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _MLP()
+    # One bucket: with several, DDP's hook issues the P and Q all-reduces of different
+    # buckets from future callbacks, in an order that can differ between ranks (gloo
+    # then fails on mismatched collectives).
+    ddp = DDP(copy.deepcopy(model))
+    ddp_state = ddp_powersgd.PowerSGDState(
+        None, matrix_approximation_rank=rank_, start_powerSGD_iter=2
+    )
+    ddp.register_comm_hook(ddp_state, ddp_powersgd.powerSGD_hook)
+    index = {id(p): i for i, p in enumerate(ddp.module.parameters())}
+
+    def ddp_step(step):
+        ddp.zero_grad(set_to_none=True)
+        x, y = _mlp_batch(rank, step)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        return {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
+
+    for step in range(2):  # plain all-reduce; DDP rebuilds its buckets after the first
+        ddp_step(step)
+    buckets = ddp.reducer._get_zeros_like_grad_buckets()
+    order = [index[id(p)] for b in buckets for p in b.parameters()]
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    plan = fsync.plan_buckets(params, order=order)
+    sync = fsync.GradSync(hook=fsync.ops.powersgd(rank_, start_step=2))
+    state = sync.init(plan)
+    assert len(plan.buckets) == len(buckets) == 1
+    # DDP draws its first Q from numpy's RNG; hand it fsync's instead (both lay Q out
+    # leaf by leaf, grouped by shape). With the same Q the two run the same algorithm.
+    for b, q in enumerate(state.hook.q):
+        ddp_state.q_memory_dict[b] = q.clone()
+        p_numel = 0
+        for p in buckets[b].parameters():
+            n, m = p.shape[0], p[0].numel()
+            r = min(n, m, rank_)
+            if ddp_powersgd._should_compress(n, m, r, ddp_state.min_compression_rate)[0]:
+                p_numel += n * r
+        ddp_state.p_memory_dict[b] = torch.empty(p_numel)
+
+    def loss(params, batch):
+        return nn.functional.mse_loss(
+            torch.func.functional_call(model, params, batch[:1]), batch[1]
+        )
+
+    for step in range(2):
+        out, state = sync(torch.func.grad(loss)(params, _mlp_batch(rank, step)), state)
+    worst = 0.0
+    for step in range(2, 6):
+        expected = ddp_step(step)
+        out, state = sync(torch.func.grad(loss)(params, _mlp_batch(rank, step)), state)
+        for name, ref in expected.items():
+            # Same algorithm, rounded differently in three places: fsync scales by 1/W
+            # before summing where DDP divides after, and DDP keeps an error term for
+            # uncompressed leaves that adds up to zero across ranks only to rounding.
+            # Each is a few float32 ulps, which one matmul can spread over the leaf.
+            rel = (torch.linalg.vector_norm(out[name] - ref) / torch.linalg.vector_norm(ref)).item()
+            assert rel <= 1e-5, (step, name, rel)
+            worst = max(worst, rel)
+    return worst
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+@pytest.mark.parametrize("rank_", [1, 3])
+def test_matches_ddp_powersgd_hook_given_the_same_initial_q(world: World, rank_):
+    world.run(_on_rank_ddp_parity, rank_)
+
+
+# --- state: start_step, determinism, zero gradients, checkpoints ----------------------------------
+
+
+def _on_rank_start_step_and_randomness():
+    rank = dist.get_rank()
+    sync = fsync.GradSync(hook=fsync.ops.powersgd(2, start_step=3), **CAP)
+    state = sync.init(_params())
+    initial = state.hook
+    for step in range(3):
+        grads = _grads(rank, step)
+        out, state = sync(grads, state)
+        plain = fsync.sync_grads(grads, **CAP)
+        assert all(torch.equal(out[k], plain[k]) for k in grads), step
+        assert int(state.hook.step) == step + 1
+        for a, b in zip(state.hook.error + state.hook.q, initial.error + initial.q, strict=True):
+            assert torch.equal(a, b)  # untouched until compression starts
+    out, state = sync(_grads(rank, 3), state)
+    assert not torch.equal(out["w"], fsync.sync_grads(_grads(rank, 3), **CAP)["w"])
+
+    # Q: the same on every rank, a function of the seed.
+    q = torch.cat(initial.q)
+    gathered = [torch.empty_like(q) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, q)
+    assert all(torch.equal(g, q) for g in gathered)
+    other_seed = fsync.GradSync(hook=fsync.ops.powersgd(2, seed=1), **CAP).init(_params())
+    assert not torch.equal(torch.cat(other_seed.hook.q), q)
+    # Standard normal draws: with these 126, the sample mean and standard deviation
+    # have standard errors of about 0.09 and 0.06; 0.2 is more than three of them.
+    assert q.numel() == 126
+    torch.testing.assert_close(q.mean(), torch.tensor(0.0), atol=0.2, rtol=0)
+    torch.testing.assert_close(q.std(), torch.tensor(1.0), atol=0.2, rtol=0)
+
+    # Without warm start a fresh Q is drawn at every step; the first compressed step
+    # draws the Q that warm start begins with.
+    outs = {}
+    for warm in (True, False):
+        sync = fsync.GradSync(hook=fsync.ops.powersgd(2, start_step=1, warm_start=warm), **CAP)
+        state = sync.init(_params())
+        assert all((q.numel() > 0) == warm for q in state.hook.q)  # no Q kept without it
+        outs[warm] = []
+        for s in range(3):
+            out, state = sync(_grads(rank, s), state)
+            outs[warm].append(out)
+    assert all(torch.equal(outs[True][1][k], outs[False][1][k]) for k in outs[True][1])
+    assert not torch.equal(outs[True][2]["w"], outs[False][2]["w"])
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_start_step_and_deterministic_random_q(world: World):
+    world.run(_on_rank_start_step_and_randomness)
+
+
+def _on_rank_zero_gradient():
+    """A leaf whose gradient is zero on every rank (unused) neither poisons nor freezes."""
+    rank = dist.get_rank()
+    for epsilon in (0.0, 1e-8):
+        # Rank >= min(rows, cols), so that the output is the mean once gradients return.
+        hook = fsync.ops.powersgd(
+            16, start_step=0, min_compression_rate=0.0, orthogonalization_epsilon=epsilon
+        )
+        sync = fsync.GradSync(hook=hook, **CAP)
+        state = sync.init(_params())
+        for step in range(5):
+            grads = _grads(rank, step)
+            if step < 2:
+                grads["w"] = torch.zeros(24, 16)
+            out, state = sync(grads, state)
+            assert all(torch.isfinite(v).all() for v in out.values()), step
+            mean = _exact_mean(grads)["w"]
+            err = torch.linalg.vector_norm(out["w"].double() - mean)
+            # As in test_full_rank_gives_the_exact_mean, plus the error feedback of the
+            # previous step (zero at full rank, to rounding).
+            assert err <= 64 * EPS * max(torch.linalg.vector_norm(mean), 1e-30), (step, err)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_zero_gradients_give_zeros_then_the_mean(world: World):
+    world.run(_on_rank_zero_gradient)
+
+
+def _sgd_steps(sync, params, state, steps):
+    rank = dist.get_rank()
+    for step in steps:
+        grads = _grads(rank, step)
+        out, state = sync(grads, state)
+        params = {k: p - 0.1 * out[k] for k, p in params.items()}
+    return params, state
+
+
+def _on_rank_checkpoint(batched):
+    factory = fsync.ops.batched_powersgd if batched else fsync.ops.powersgd
+    sync = fsync.GradSync(hook=factory(2, start_step=2), **CAP)
+    params0 = _params()
+    straight, _ = _sgd_steps(sync, params0, sync.init(params0), range(6))
+
+    params, state = _sgd_steps(sync, params0, sync.init(params0), range(4))
+    buffer = io.BytesIO()
+    torch.save({"params": params, "sync": state}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)  # weights_only, torch's default
+    assert isinstance(loaded["sync"].hook, fsync.ops.PowerSGDState)
+    assert int(loaded["sync"].hook.step) == 4
+    resumed, _ = _sgd_steps(sync, loaded["params"], loaded["sync"], range(4, 6))
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+@pytest.mark.parametrize("batched", [False, True], ids=["per_leaf", "batched"])
+def test_state_round_trips_through_torch_save_and_resumes_bitwise(world: World, batched):
+    world.run(_on_rank_checkpoint, batched)
+
+
+# --- misuse --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factory", [fsync.ops.powersgd, fsync.ops.batched_powersgd])
+def test_bad_settings_raise(factory):
+    with pytest.raises(ValueError, match=r"rank must be >= 1 .*; got 0"):
+        factory(0)
+    with pytest.raises(TypeError, match=r"rank must be an int; got 1\.5"):
+        factory(1.5)
+    with pytest.raises(ValueError, match="start_step must be >= 0; got -1"):
+        factory(start_step=-1)
+    with pytest.raises(ValueError, match="min_compression_rate must be a finite number >= 0"):
+        factory(min_compression_rate=float("nan"))
+    with pytest.raises(ValueError, match="orthogonalization_epsilon must be a finite number"):
+        factory(orthogonalization_epsilon=-1e-8)
+    ints = {"w": torch.zeros(4, 4), "n": torch.zeros(4, 4, dtype=torch.int32)}
+    with pytest.raises(TypeError, match=r"got bucket 0 of dtype torch.int32 \(first leaf 'n'\)"):
+        factory().init(fsync.plan_buckets(ints))
+
+
+def _on_rank_state_from_elsewhere():
+    grads = _grads(dist.get_rank(), 0)
+    sync = fsync.GradSync(hook=fsync.ops.powersgd(2), **CAP)
+    state = sync.init(_params())
+    renamed = {f"{k}_": v for k, v in _params().items()}  # same shapes, another plan
+    foreign = fsync.GradSync(hook=fsync.ops.powersgd(2), **CAP).init(renamed)
+    with pytest.raises(ValueError, match="powersgd: the state does not fit this plan: its finger"):
+        sync(grads, state._replace(hook=foreign.hook))
+    smaller = fsync.GradSync(hook=fsync.ops.powersgd(2), **CAP).init({"w": torch.zeros(24, 16)})
+    with pytest.raises(ValueError, match="does not fit this plan: it has 1 buckets, the plan has"):
+        sync(grads, state._replace(hook=smaller.hook))
+    other_rank = fsync.GradSync(hook=fsync.ops.powersgd(4), **CAP).init(_params())
+    with pytest.raises(ValueError, match=r"does not fit this plan: error\[0\] has shape \(384,\)"):
+        sync(grads, state._replace(hook=other_rank.hook))
+    cold = fsync.GradSync(hook=fsync.ops.powersgd(2, warm_start=False), **CAP).init(_params())
+    with pytest.raises(ValueError, match=r"does not fit this plan: q\[0\] has shape \(0,\)"):
+        sync(grads, state._replace(hook=cold.hook))
+    with pytest.raises(TypeError, match="powersgd: state is a tuple; expected the PowerSGDState"):
+        sync(grads, state._replace(hook=()))
+    # Nothing was communicated: the world is still in step.
+    out, _ = sync(grads, state)
+    assert out.keys() == grads.keys()
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_a_state_from_another_plan_raises(world: World):
+    world.run(_on_rank_state_from_elsewhere)
+
+
+# --- the main example ----------------------------------------------------------------------------
+
+
+def _on_rank_train_example(hook, steps):
+    path = pathlib.Path(__file__).parents[1] / "examples" / "train.py"
+    spec = importlib.util.spec_from_file_location("fsync_example_train", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    args = example.parse_args(["--hook", hook, "--steps", str(steps), "--no-compile"])
+    result = example.train(args, torch.device("cpu"))
+    fsync.verify(result["params"], values=True)  # identical on every rank
+    return {k: result[k] for k in ("first_loss", "last_loss", "test_loss")}
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_training_with_powersgd_rank_4_ends_within_5_percent_of_allreduce(world: World):
+    steps = 150  # half the example's default; PowerSGD starts at step 10
+    plain = world.run(_on_rank_train_example, "allreduce", steps)[0]
+    compressed = world.run(_on_rank_train_example, "powersgd", steps)[0]
+    print(f"held-out loss after {steps} steps: allreduce {plain}, powersgd(4) {compressed}")
+    assert compressed["test_loss"] < 0.2 * compressed["first_loss"]  # it learned
+    assert abs(compressed["test_loss"] - plain["test_loss"]) <= 0.05 * plain["test_loss"]
