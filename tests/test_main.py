@@ -24,10 +24,11 @@ def test_every_public_name_is_in_the_api_reference():
     api = (pathlib.Path(__file__).parent.parent / "docs" / "api.md").read_text()
     documented = set(re.findall(r"^::: (fsync[\w.]*)$", api, flags=re.M))
     import fsync.ops
+    import fsync.optim
 
     public = {
         f"{module.__name__}.{name}"
-        for module in (fsync, fsync.ops)
+        for module in (fsync, fsync.ops, fsync.optim)
         for name in module.__all__
         if not name.startswith("__") and not isinstance(getattr(module, name), type(fsync))
     }
@@ -37,8 +38,9 @@ def test_every_public_name_is_in_the_api_reference():
 
 def test_public_names_are_exported_and_documented():
     import fsync.ops
+    import fsync.optim
 
-    for module in (fsync, fsync.ops):
+    for module in (fsync, fsync.ops, fsync.optim):
         for name in module.__all__:
             obj = getattr(module, name)
             if name.startswith("__") or isinstance(obj, type(fsync)):
