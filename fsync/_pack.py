@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fsync import _tree
-from fsync._plan import BucketPlan, BucketSpec, LeafSpec
+from fsync._plan import BucketPlan, BucketSpec, LeafSpec, TensorMeta, tensor_meta
 
 _DIFFERENT_TREE = (
     "{what} does not match the plan: {detail}. Pass the tree the plan was built for "
@@ -22,7 +22,7 @@ _DIFFERENT_TREE = (
 )
 
 
-def _mismatch(what: str, detail: str) -> ValueError:
+def mismatch(what: str, detail: str) -> ValueError:
     return ValueError(_DIFFERENT_TREE.format(what=what, detail=detail))
 
 
@@ -33,7 +33,7 @@ def check_leaves(leaves: Sequence[Any], treespec: Any, plan: BucketPlan, what: s
     parameter); a tensor where the plan has ``None`` is not.
     """
     if treespec != plan.structure():
-        raise _mismatch(
+        raise mismatch(
             what,
             f"its structure is {treespec} but the plan's is {plan.treespec}",
         )
@@ -41,33 +41,40 @@ def check_leaves(leaves: Sequence[Any], treespec: Any, plan: BucketPlan, what: s
         if leaf is None:
             continue
         if spec is None:
-            raise _mismatch(what, "it holds a tensor where the plan's tree holds None")
+            raise mismatch(what, "it holds a tensor where the plan's tree holds None")
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{what} leaf {spec.path!r} is a {type(leaf).__name__}; expected a torch.Tensor "
                 "or None."
             )
-        if tuple(leaf.shape) != spec.shape or leaf.dtype != spec.dtype:
-            raise _mismatch(
-                what,
-                f"leaf {spec.path!r} has shape {tuple(leaf.shape)} and dtype {leaf.dtype}, "
-                f"expected shape {spec.shape} and dtype {spec.dtype}",
-            )
-        if leaf.device != spec.device:
-            raise _mismatch(what, f"leaf {spec.path!r} is on {leaf.device}, expected {spec.device}")
-        sparse_dim = leaf.sparse_dim() if leaf.layout == torch.sparse_coo else 0
-        if sparse_dim != spec.sparse_dim:
-            kind = f"sparse with {spec.sparse_dim} sparse dims" if spec.sparse else "dense"
-            raise _mismatch(what, f"leaf {spec.path!r} should be {kind}")
+        check_leaf_meta(spec, tensor_meta(leaf), what)
+
+
+def check_leaf_meta(spec: LeafSpec, meta: TensorMeta, what: str) -> None:
+    """Raises ``ValueError`` unless a tensor with metadata ``meta`` fits ``spec``."""
+    if meta.shape != spec.shape or meta.dtype != spec.dtype:
+        raise mismatch(
+            what,
+            f"leaf {spec.path!r} has shape {meta.shape} and dtype {meta.dtype}, "
+            f"expected shape {spec.shape} and dtype {spec.dtype}",
+        )
+    if meta.device != spec.device:
+        raise mismatch(what, f"leaf {spec.path!r} is on {meta.device}, expected {spec.device}")
+    if meta.sparse_dim != spec.sparse_dim:
+        kind = f"sparse with {spec.sparse_dim} sparse dims" if spec.sparse else "dense"
+        raise mismatch(what, f"leaf {spec.path!r} should be {kind}")
 
 
 def flat(leaf: torch.Tensor | None, spec: LeafSpec, dtype: torch.dtype) -> torch.Tensor:
     """``leaf`` as a 1-D ``dtype`` tensor in the plan's memory order (zeros for ``None``)."""
     if leaf is None:
         return torch.zeros(spec.numel, dtype=dtype, device=spec.device)
+    # Only the operations a leaf needs: under torch.compile each one costs trace time.
     if spec.perm != tuple(range(len(spec.perm))):
         leaf = leaf.permute(spec.perm)
-    return leaf.reshape(-1).to(dtype)
+    if leaf.dim() != 1:
+        leaf = leaf.reshape(-1)
+    return leaf if leaf.dtype == dtype else leaf.to(dtype)
 
 
 def pack_leaves(leaves: Sequence[torch.Tensor | None], plan: BucketPlan) -> list[torch.Tensor]:
@@ -92,12 +99,57 @@ def _pack_bucket(
             ).coalesce()
         return leaf.coalesce()
     parts = []
-    for i in spec.leaves:
-        leaf_spec_ = plan.leaves[i]
-        assert leaf_spec_ is not None
-        parts.append(flat(leaves[i], leaf_spec_, spec.dtype))
-    # torch.cat always returns new memory, so a hook may own the buffer it gets.
-    return torch.cat(parts)
+    for i, layout in zip(spec.leaves, spec.layouts, strict=True):
+        leaf = leaves[i]
+        if leaf is None:
+            leaf_spec_ = plan.leaves[i]
+            assert leaf_spec_ is not None
+            leaf = torch.zeros(leaf_spec_.numel, dtype=spec.dtype, device=spec.device)
+        elif layout.perm is not None:
+            leaf = leaf.permute(layout.perm)
+        parts.append(leaf)
+    if torch.compiler.is_compiling() and len(parts) <= FUSED_CAT_LEAVES:
+        # A plain cat, which inductor fuses with the hook's scaling or cast: one pass.
+        flattened = [part if part.dim() == 1 else part.reshape(-1) for part in parts]
+        return torch.cat([p if p.dtype == spec.dtype else p.to(spec.dtype) for p in flattened])
+    # Many leaves: one opaque concatenation (C++ eagerly, a custom op under compile)
+    # whose cost does not grow with the number of leaves in Python or in the compiler.
+    buffer = _concat(parts)
+    return buffer if buffer.dtype == spec.dtype else buffer.to(spec.dtype)
+
+
+# Buckets of up to this many leaves are packed by torch.cat under torch.compile, which
+# inductor turns into one kernel fused with what follows; beyond it the generated
+# kernel, and its compile time, grow with every leaf.
+FUSED_CAT_LEAVES = 32
+
+
+def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts, each flattened in row-major order, in one new 1-D tensor."""
+    if torch.compiler.is_compiling():
+        concatenated: torch.Tensor = torch.ops.fsync.concat(parts)
+        return concatenated
+    return _concat_impl(parts)
+
+
+@torch.library.custom_op("fsync::concat", mutates_args=())
+def _concat_op(parts: list[torch.Tensor]) -> torch.Tensor:
+    return _concat_impl(parts)
+
+
+@_concat_op.register_fake
+def _(parts: list[torch.Tensor]) -> torch.Tensor:
+    dtype = parts[0].dtype
+    for part in parts[1:]:
+        dtype = torch.promote_types(dtype, part.dtype)
+    return parts[0].new_empty(sum(part.numel() for part in parts), dtype=dtype)
+
+
+def _concat_impl(parts: list[torch.Tensor]) -> torch.Tensor:
+    if len(parts) == 1:  # flatten_dense_tensors would return a view of the input
+        return parts[0].reshape(-1).clone()
+    flattened: torch.Tensor = torch._C._nn.flatten_dense_tensors(parts)
+    return flattened
 
 
 def pack(tree: Any, plan: BucketPlan, /) -> list[torch.Tensor]:
@@ -167,25 +219,19 @@ def check_buffers(
 
 def unpack_leaves(buffers: Sequence[torch.Tensor], plan: BucketPlan) -> list[torch.Tensor | None]:
     """Leaves (flatten order) of already checked buffers; views where layouts allow."""
-    leaves: list[torch.Tensor | None] = [None] * plan.num_leaves
+    leaves: list[torch.Tensor | None] = [None] * len(plan.leaves)
     for buffer, spec in zip(buffers, plan.specs, strict=True):
         if spec.sparse:
             leaves[spec.leaves[0]] = buffer
             continue
-        for i, piece in zip(spec.leaves, torch.split(buffer, list(spec.sizes)), strict=True):
-            leaf = plan.leaves[i]
-            assert leaf is not None
-            leaves[i] = _shape(piece, leaf).to(leaf.dtype)
+        pieces = torch.split(buffer, list(spec.sizes))
+        for i, piece, layout in zip(spec.leaves, pieces, spec.layouts, strict=True):
+            if layout.view is not None:
+                piece = piece.view(layout.view)
+            if layout.inverse is not None:
+                piece = piece.permute(layout.inverse)
+            leaves[i] = piece if layout.dtype is None else piece.to(layout.dtype)
     return leaves
-
-
-def _shape(piece: torch.Tensor, leaf: LeafSpec) -> torch.Tensor:
-    if leaf.perm == tuple(range(len(leaf.perm))):
-        return piece.view(leaf.shape)
-    inverse = [0] * len(leaf.perm)
-    for position, dim in enumerate(leaf.perm):
-        inverse[dim] = position
-    return piece.view([leaf.shape[d] for d in leaf.perm]).permute(inverse)
 
 
 def unpack(buffers: Sequence[torch.Tensor], plan: BucketPlan, /) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
@@ -80,6 +81,23 @@ class LeafSpec(NamedTuple):
         )
 
 
+class LeafLayout(NamedTuple):
+    """How one leaf goes into its bucket and back: the few operations it needs.
+
+    Precomputed with the plan, so that packing and unpacking (and tracing them
+    under ``torch.compile``) do no per-leaf decisions.
+    """
+
+    perm: tuple[int, ...] | None
+    """Dimension order to permute to before flattening; ``None`` if already in order."""
+    view: tuple[int, ...] | None
+    """Shape to view the leaf's slice as (in memory order); ``None`` for a 1-D leaf."""
+    inverse: tuple[int, ...] | None
+    """Permutation back to the leaf's dimension order after the view; ``None`` if none."""
+    dtype: torch.dtype | None
+    """The leaf's dtype where it differs from the bucket's, else ``None``."""
+
+
 class BucketSpec(NamedTuple):
     """Metadata of one bucket, in the order its leaves sit in the flat buffer."""
 
@@ -93,31 +111,58 @@ class BucketSpec(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     sparse: bool
+    layouts: tuple[LeafLayout, ...] = ()
+    """How each leaf goes in and out of the buffer (empty for a sparse bucket)."""
 
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
 
-def leaf_spec(path: str, tensor: torch.Tensor, /) -> LeafSpec:
-    """The :class:`LeafSpec` of ``tensor`` found at ``path``."""
-    if tensor.layout == torch.sparse_coo:
-        if tensor.sparse_dim() == 0:
+class TensorMeta(NamedTuple):
+    """What fsync reads of a tensor: hashable, and constant under ``torch.compile``."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    layout: torch.layout
+    sparse_dim: int
+    requires_grad: bool
+
+
+def tensor_meta(tensor: torch.Tensor, /) -> TensorMeta:
+    """The :class:`TensorMeta` of ``tensor``."""
+    sparse = tensor.layout == torch.sparse_coo
+    return TensorMeta(
+        tuple(tensor.shape),
+        () if tensor.layout != torch.strided else tuple(tensor.stride()),
+        tensor.dtype,
+        tensor.device,
+        tensor.layout,
+        tensor.sparse_dim() if sparse else 0,
+        tensor.requires_grad,
+    )
+
+
+def leaf_spec(path: str, meta: TensorMeta, /) -> LeafSpec:
+    """The :class:`LeafSpec` of a tensor with metadata ``meta`` found at ``path``."""
+    if meta.layout == torch.sparse_coo:
+        if meta.sparse_dim == 0:
             raise TypeError(
                 f"leaf {path!r} is a sparse tensor without sparse dimensions; use .to_dense()."
             )
-        shape = tuple(tensor.shape)
-        return LeafSpec(path, shape, tensor.dtype, tensor.device, (), tensor.sparse_dim())
-    if tensor.layout != torch.strided:
+        return LeafSpec(path, meta.shape, meta.dtype, meta.device, (), meta.sparse_dim)
+    if meta.layout != torch.strided:
         raise TypeError(
-            f"leaf {path!r} has layout {tensor.layout}; fsync handles dense (strided) and "
+            f"leaf {path!r} has layout {meta.layout}; fsync handles dense (strided) and "
             "sparse COO tensors. Convert it with .to_dense() or .to_sparse()."
         )
-    strides = tensor.stride()
+    strides = meta.stride
     # Outermost dimension first; ties (size-1 or broadcast dimensions) keep their
     # order, which leaves the element order unchanged.
-    perm = tuple(sorted(range(tensor.dim()), key=lambda d: (-strides[d], d)))
-    return LeafSpec(path, tuple(tensor.shape), tensor.dtype, tensor.device, perm)
+    perm = tuple(sorted(range(len(meta.shape)), key=lambda d: (-strides[d], d)))
+    return LeafSpec(path, meta.shape, meta.dtype, meta.device, perm)
 
 
 def _check_limits(size_limits: Sequence[int]) -> tuple[int, ...]:
@@ -133,7 +178,7 @@ def _check_limits(size_limits: Sequence[int]) -> tuple[int, ...]:
     return limits
 
 
-def _assign(
+def assign(
     keys: Sequence[Any], nbytes: Sequence[int], sparse: Sequence[bool], limits: Sequence[int]
 ) -> list[tuple[int, ...]]:
     """DDP's greedy assignment over items given as (key, bytes, sparse) columns.
@@ -199,7 +244,7 @@ def compute_bucket_assignment_by_size(
     for i, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensors[{i}] is a {type(tensor).__name__}; expected a torch.Tensor.")
-    buckets = _assign(
+    buckets = assign(
         [(t.dtype, t.device) for t in tensors],
         [t.numel() * t.element_size() for t in tensors],
         [t.layout == torch.sparse_coo for t in tensors],
@@ -234,6 +279,8 @@ class BucketPlan:
     specs: tuple[BucketSpec, ...] = dataclasses.field(init=False, repr=False, compare=False)
     skeleton: Any = dataclasses.field(init=False, repr=False, compare=False)
     """The tree with each leaf replaced by its index; see :meth:`structure`."""
+    dict_keys: tuple[Any, ...] | None = dataclasses.field(init=False, repr=False, compare=False)
+    """The keys, if the tree is a plain dict of leaves (the usual parameter dict)."""
 
     def __post_init__(self) -> None:
         check_reduce_dtype(self.reduce_dtype)
@@ -261,6 +308,7 @@ class BucketPlan:
         object.__setattr__(
             self, "skeleton", _tree.unflatten(self.treespec, range(len(self.leaves)))
         )
+        object.__setattr__(self, "dict_keys", _flat_dict_keys(self.treespec))
 
     def structure(self) -> optree.PyTreeSpec:
         """The tree structure, in a form the running code can use.
@@ -289,8 +337,11 @@ class BucketPlan:
         if first.sparse and len(indices) > 1:
             raise ValueError(f"bucket {b} holds a sparse leaf with others; sparse leaves go alone.")
         sizes = tuple(leaf.numel for leaf in leaves)  # type: ignore[union-attr]
-        offsets = tuple(sum(sizes[:k]) for k in range(len(sizes)))
-        return BucketSpec(indices, offsets, sizes, sum(sizes), dtype, first.device, first.sparse)
+        offsets = tuple(itertools.accumulate(sizes, initial=0))[:-1]
+        layouts = () if first.sparse else tuple(_layout(leaf, dtype) for leaf in leaves)  # type: ignore[arg-type]
+        return BucketSpec(
+            indices, offsets, sizes, sum(sizes), dtype, first.device, first.sparse, layouts
+        )
 
     @property
     def nbytes(self) -> tuple[int, ...]:
@@ -354,6 +405,27 @@ class BucketPlan:
             ]
             lines.append("  ".join(cells).rstrip())
         return "\n".join(lines)
+
+
+def _layout(leaf: LeafSpec, dtype: torch.dtype) -> LeafLayout:
+    identity = leaf.perm == tuple(range(len(leaf.perm)))
+    inverse = [0] * len(leaf.perm)
+    for position, dim in enumerate(leaf.perm):
+        inverse[dim] = position
+    return LeafLayout(
+        perm=None if identity else leaf.perm,
+        view=None if len(leaf.shape) == 1 else tuple(leaf.shape[d] for d in leaf.perm),
+        inverse=None if identity else tuple(inverse),
+        dtype=None if leaf.dtype == dtype else leaf.dtype,
+    )
+
+
+def _flat_dict_keys(treespec: optree.PyTreeSpec) -> tuple[Any, ...] | None:
+    if torch.compiler.is_compiling() or treespec.type is not dict:
+        return None  # a plan traced inside torch.compile keeps to the generic path
+    if all(child.is_leaf() for child in treespec.children()):
+        return tuple(treespec.entries())
+    return None
 
 
 def check_reduce_dtype(reduce_dtype: torch.dtype | None) -> None:
@@ -433,19 +505,37 @@ def plan_from_specs(
     """:func:`plan_buckets` over leaf specs already taken from a tree."""
     check_bucket_options(bucket_cap_mb, first_bucket_mb)
     check_reduce_dtype(reduce_dtype)
+    sequence, columns = assignment_columns(leaves, order, reduce_dtype)
+    assigned = assign(*columns, size_limits(bucket_cap_mb, first_bucket_mb))
+    return BucketPlan(treespec, tuple(leaves), in_leaf_indices(assigned, sequence), reduce_dtype)
+
+
+Columns = tuple[tuple[Any, ...], tuple[int, ...], tuple[bool, ...]]
+
+
+def assignment_columns(
+    leaves: Sequence[LeafSpec | None], order: Order, reduce_dtype: torch.dtype | None
+) -> tuple[list[int], Columns]:
+    """The leaves in assignment order and their (key, bytes, sparse) columns for ``_assign``."""
     tensor_leaves = [i for i, leaf in enumerate(leaves) if leaf is not None]
     sequence = _order(order, tensor_leaves, len(leaves))
     specs: list[LeafSpec] = [leaves[i] for i in sequence]  # type: ignore[misc]
     dtypes = [buffer_dtype(s, reduce_dtype) for s in specs]
-    limits = [int(first_bucket_mb * MiB), int(bucket_cap_mb * MiB)]
-    assigned = _assign(
-        [(dtype, s.device) for dtype, s in zip(dtypes, specs, strict=True)],
-        [s.numel * dtype.itemsize for dtype, s in zip(dtypes, specs, strict=True)],
-        [s.sparse for s in specs],
-        limits,
-    )
-    buckets = tuple(tuple(sequence[k] for k in bucket) for bucket in assigned)
-    return BucketPlan(treespec, tuple(leaves), buckets, reduce_dtype)
+    keys = tuple((dtype, s.device) for dtype, s in zip(dtypes, specs, strict=True))
+    nbytes = tuple(s.numel * dtype.itemsize for dtype, s in zip(dtypes, specs, strict=True))
+    return sequence, (keys, nbytes, tuple(s.sparse for s in specs))
+
+
+def size_limits(bucket_cap_mb: float, first_bucket_mb: float) -> list[int]:
+    """DDP's limits in bytes: the first bucket's, then every other's."""
+    return [int(first_bucket_mb * MiB), int(bucket_cap_mb * MiB)]
+
+
+def in_leaf_indices(
+    assigned: Sequence[Sequence[int]], sequence: Sequence[int]
+) -> tuple[tuple[int, ...], ...]:
+    """Buckets of positions in the assignment order, as buckets of leaf indices."""
+    return tuple(tuple(sequence[k] for k in bucket) for bucket in assigned)
 
 
 def leaf_specs(
@@ -458,7 +548,7 @@ def leaf_specs(
         if leaf is None:
             specs.append(None)
         elif isinstance(leaf, torch.Tensor):
-            specs.append(leaf_spec(path, leaf))
+            specs.append(leaf_spec(path, tensor_meta(leaf)))
         else:
             raise TypeError(
                 f"{what} leaf {path!r} is a {type(leaf).__name__}; expected a torch.Tensor or "

