@@ -9,6 +9,7 @@ under ``torch.compile(fullgraph=True)``. Hooks (``fsync.ops``) transform the buc
 from fsync import ops, optim
 from fsync._accumulate import accumulate
 from fsync._broadcast import broadcast, sync_buffers
+from fsync._compile import compile
 from fsync._hook import Hook, SyncContext, chain
 from fsync._pack import pack, unpack
 from fsync._plan import (
@@ -37,6 +38,7 @@ __all__ = [
     "accumulate",
     "broadcast",
     "chain",
+    "compile",
     "compute_bucket_assignment_by_size",
     "ops",
     "optim",
