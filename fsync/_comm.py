@@ -153,13 +153,25 @@ def process_group(group: Group) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD  # type: ignore[return-value]
 
 
-def all_reduce(x: torch.Tensor, op: str, group: Group) -> torch.Tensor:
-    """Reduces ``x`` over ``group`` with ``op``, one of :data:`REDUCE_OPS`."""
+def all_reduce(x: torch.Tensor, op: str, group: Group, *, inplace: bool = False) -> torch.Tensor:
+    """Reduces ``x`` over ``group`` with ``op``, one of :data:`REDUCE_OPS`.
+
+    ``inplace=True`` lets an eager call reduce into ``x`` itself (for a tensor the
+    caller owns) instead of a copy. Either way the result waits for the collective
+    on first use, as functional collectives do. Under ``torch.compile`` the
+    functional form is traced and inductor decides where the result lives.
+    """
     if size(group) == 1:
         return x
     if _recording is not None:
         _record("all_reduce", x)
         return x.clone()
+    if inplace and not torch.compiler.is_compiling():
+        name = funcol._resolve_group_name(_funcol_group(group))
+        in_place: torch.Tensor = funcol._maybe_wrap_tensor(
+            torch.ops._c10d_functional.all_reduce_(x, op, name)
+        )
+        return in_place
     reduced: torch.Tensor = funcol.all_reduce(x, op, _funcol_group(group))
     return reduced
 

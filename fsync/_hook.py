@@ -37,6 +37,11 @@ class SyncContext(NamedTuple):
             bucket zero-padded to ``world_size * shard_numel(numel, world_size)``
             elements and cut into ``world_size`` equal pieces, piece ``rank``
             (what ``ops.allreduce`` returns, by a reduce-scatter).
+        owned: ``True`` when the buffers passed to ``apply`` are new tensors that
+            nothing else holds, so ``apply`` may write its result into them (the
+            first hook of a sync gets the packed buckets; :func:`chain` passes
+            ``False`` to the hooks after the first). Eagerly this saves a copy per
+            bucket; under ``torch.compile`` the compiler reuses buffers anyway.
     """
 
     plan: BucketPlan
@@ -46,21 +51,25 @@ class SyncContext(NamedTuple):
     world_size: int
     divisor: int | torch.Tensor
     scatter: bool = False
+    owned: bool = False
 
-    def divide(self, x: torch.Tensor) -> torch.Tensor:
+    def divide(self, x: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
         """``x / divisor``, computed as DDP does: ``x * (1 / divisor)``.
 
-        With an int divisor the factor is a Python float, which torch rounds
-        to ``x``'s dtype once, exactly as DDP's ``mul_out(grad, 1 / world_size)``.
+        With an int divisor the factor is a Python float, which torch applies
+        in the computation type of ``x`` and rounds once, exactly as DDP's
+        ``mul_out(grad, 1 / world_size)``; a tensor divisor gives the same bits.
+        ``inplace=True`` writes into ``x`` (only for a tensor the hook owns).
         """
         if isinstance(self.divisor, torch.Tensor):
             # The factor in at least float32, as torch's kernels hold a Python scalar.
             compute = torch.promote_types(x.dtype, torch.float32)
-            factor = (1.0 / self.divisor.to(torch.float64)).to(compute)
-            return (x * factor).to(x.dtype)
-        if self.divisor == 1:
+            factor: float | torch.Tensor = (1.0 / self.divisor.to(torch.float64)).to(compute)
+        elif self.divisor == 1:
             return x
-        return x * (1.0 / self.divisor)
+        else:
+            factor = 1.0 / self.divisor
+        return x.mul_(factor) if inplace else torch.mul(x, factor)
 
 
 Buckets = Sequence[torch.Tensor]
@@ -131,8 +140,12 @@ def chain(*hooks: Hook) -> Hook:
                 "the tuple its init returned."
             )
         new_state = []
-        for hook, hook_state in zip(hooks, state, strict=True):
-            buckets, hook_state = hook.apply(buckets, hook_state, ctx)
+        for k, (hook, hook_state) in enumerate(zip(hooks, state, strict=True)):
+            # A hook's output may be held by the hook (in its state, say): only the
+            # first hook may own its input.
+            buckets, hook_state = hook.apply(
+                buckets, hook_state, ctx if k == 0 else ctx._replace(owned=False)
+            )
             new_state.append(hook_state)
         return buckets, tuple(new_state)
 

@@ -361,7 +361,9 @@ def _reduce(
         leaves, plan, group, active=active, divide_by=divide_by, find_unused=find_unused
     )
     dense_specs = tuple(spec for spec in plan.specs if not spec.sparse)
-    ctx = SyncContext(plan, dense_specs, group, _comm.rank(group), _comm.size(group), divisor)
+    ctx = SyncContext(
+        plan, dense_specs, group, _comm.rank(group), _comm.size(group), divisor, owned=True
+    )
     buffers = _pack.pack_leaves(leaves, plan)
     dense, hook_state = hook.apply(
         [b for b, spec in zip(buffers, plan.specs, strict=True) if not spec.sparse],

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import torch
+
 from fsync import _comm
 from fsync._hook import Buckets, Hook, SyncContext
 from fsync._pack import pad_to_shards
@@ -41,11 +43,16 @@ def allreduce(op: Literal["mean", "sum"] = "mean") -> Hook:
         return ()
 
     def apply(buckets: Buckets, state: Any, ctx: SyncContext) -> tuple[Buckets, Any]:
+        # The buckets are this hook's to overwrite if the caller says so (ctx.owned),
+        # or once divided into new tensors: then the all-reduce works in place,
+        # eagerly sparing the copy a functional all-reduce makes.
+        divides = isinstance(ctx.divisor, torch.Tensor) or ctx.divisor != 1
+        fresh = ctx.owned or (op == "mean" and divides)
         if op == "mean":
-            buckets = [ctx.divide(b) for b in buckets]
+            buckets = [ctx.divide(b, inplace=ctx.owned) for b in buckets]
         if ctx.scatter:
             padded = [pad_to_shards(b, ctx.world_size) for b in buckets]
             return [_comm.reduce_scatter(b, "sum", ctx.group) for b in padded], state
-        return [_comm.all_reduce(b, "sum", ctx.group) for b in buckets], state
+        return [_comm.all_reduce(b, "sum", ctx.group, inplace=fresh) for b in buckets], state
 
     return Hook(init, apply)

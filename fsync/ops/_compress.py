@@ -55,6 +55,8 @@ def _compress(name: str, dtype: torch.dtype, inner: Hook | None) -> Hook:
         inner_ctx = ctx._replace(
             plan=cast_plan(ctx.plan, dtype),
             buckets=tuple(spec._replace(dtype=dtype) for spec in ctx.buckets),
+            # The cast makes new tensors, which the inner hook may overwrite.
+            owned=ctx.owned or all(spec.dtype != dtype for spec in ctx.buckets),
         )
         out, state = inner.apply([b.to(dtype) for b in buckets], state, inner_ctx)
         # Element-wise, so a shard (ctx.scatter) is cast back as well as a whole bucket.
