@@ -7,11 +7,11 @@ Run with two CPU processes on gloo:
 
 Each rank trains the same MLP on its own shard of a synthetic regression task
 (a fixed random "teacher" network), syncing gradients inside one compiled
-function (forward, backward, sync, Adam update): with ``fsync.sync_grads`` for
-stateless hooks, with ``fsync.GradSync`` and its state for PowerSGD. It prints
-the bucket plan, shows progress and loss, reports the loss on held-out data,
-and ends by checking that every rank holds bit-identical parameters.
-``--backend nccl --device cuda`` runs it on GPUs.
+function (forward, backward, sync, ``fsync.optim.adam`` update): with
+``fsync.sync_grads`` for stateless hooks, with ``fsync.GradSync`` and its state
+for PowerSGD. It prints the bucket plan, shows progress and loss, reports the
+loss on held-out data, and ends by checking that every rank holds bit-identical
+parameters. ``--device cuda`` runs it on GPUs (NCCL, one GPU per process).
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bucket-cap-mb", type=float, default=0.25)
     parser.add_argument("--hook", choices=HOOKS, default="allreduce", help="how buckets are synced")
     parser.add_argument("--powersgd-rank", type=int, default=4, help="rank of PowerSGD's P and Q")
-    parser.add_argument("--backend", default="gloo")
+    parser.add_argument(
+        "--backend", default=None, help="process group backend (default: nccl on cuda, else gloo)"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-compile", action="store_true", help="run the step eagerly")
     return parser.parse_args(argv)
@@ -71,17 +73,6 @@ def make_model(width: int) -> nn.Module:
     )
 
 
-def adam(params, grads, state, lr, betas=(0.9, 0.999), eps=1e-8):
-    """One functional Adam step over dicts of tensors; ``state`` holds m, v and the step."""
-    m, v, step = state
-    step = step + 1
-    m = {k: betas[0] * m[k] + (1 - betas[0]) * grads[k] for k in params}
-    v = {k: betas[1] * v[k] + (1 - betas[1]) * grads[k] ** 2 for k in params}
-    bias1, bias2 = 1 - betas[0] ** step, 1 - betas[1] ** step
-    new = {k: params[k] - lr * (m[k] / bias1) / ((v[k] / bias2).sqrt() + eps) for k in params}
-    return new, (m, v, step)
-
-
 def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """Trains on every rank of the initialised default group; returns losses and parameters."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -90,11 +81,8 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     model = make_model(args.width).to(device)
     params = {name: p.detach() for name, p in model.named_parameters()}
     params = fsync.broadcast(params, src=0)  # start every rank from rank 0's values
-    opt_state = (
-        {k: torch.zeros_like(p) for k, p in params.items()},
-        {k: torch.zeros_like(p) for k, p in params.items()},
-        torch.zeros((), device=device),
-    )
+    opt = fsync.optim.adam(args.lr)  # torch.optim.Adam's arithmetic, as a pure function
+    opt_state = opt.init(params)  # AdamState(step, exp_avg, exp_avg_sq)
     sync_options = {"bucket_cap_mb": args.bucket_cap_mb, "first_bucket_mb": args.bucket_cap_mb}
     hook = make_hook(args.hook, args.powersgd_rank)
     # A hook that keeps state (PowerSGD's error feedback and Q) needs GradSync, whose
@@ -111,7 +99,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
             grads = fsync.sync_grads(grads, hook=hook, **sync_options)
         else:
             grads, sync_state = grad_sync(grads, sync_state)
-        params, opt_state = adam(params, grads, opt_state, args.lr)
+        params, opt_state = opt.update(params, grads, opt_state)
         return params, opt_state, sync_state, loss
 
     step_fn = train_step if args.no_compile else torch.compile(train_step, fullgraph=True)
@@ -119,7 +107,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         mode = "eager" if args.no_compile else "torch.compile(fullgraph=True)"
         n = sum(p.numel() for p in params.values())
         print(
-            f"fsync {fsync.__version__}: {world_size} ranks on {args.backend}, "
+            f"fsync {fsync.__version__}: {world_size} ranks on {dist.get_backend()}, "
             f"{n:,} parameters, hook {args.hook}, {mode}"
         )
         print(fsync.plan_buckets(params, **sync_options))
@@ -158,11 +146,11 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 
 def main() -> None:
     args = parse_args()
-    dist.init_process_group(args.backend)
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+    dist.init_process_group(args.backend or ("nccl" if device.type == "cuda" else "gloo"))
     result = train(args, device)
     # Every rank must end with the same parameters, bit for bit.
     fsync.verify(result["params"], values=True)
