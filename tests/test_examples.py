@@ -1,0 +1,151 @@
+"""The examples, run as a user runs them: torchrun, two gloo ranks, few steps.
+
+Each test launches ``python -m torch.distributed.run --standalone`` (a free port
+per run) with this repository first on ``PYTHONPATH`` and checks what the
+example prints: its own end-of-run checks ("parameters identical on all 2
+ranks", DDP parity, checkpoint round trips) and numbers that must hold (finite
+losses that went down, compression ratios). The main job runs compiled; the
+others eagerly, to keep the file under a few minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fsync
+
+ROOT = pathlib.Path(__file__).parents[1]
+RUN_TIMEOUT = 150  # seconds for one torchrun; each test's own timeout is above its runs' total
+
+
+def torchrun(script: str, *args: str, timeout: float = RUN_TIMEOUT) -> str:
+    """Runs ``examples/<script>`` on two ranks; returns rank 0's stdout, or fails with the log."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "examples" / script),
+        *args,
+    ]
+    # A session of its own, so that a timeout kills the ranks too, not only torchrun.
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{script} {' '.join(args)} ran over {timeout} s:\n{out}\n{err[-4000:]}")
+    assert proc.returncode == 0, f"{script} {' '.join(args)} failed:\n{out}\n{err[-4000:]}"
+    return out
+
+
+def number(pattern: str, text: str) -> float:
+    """The number captured by ``pattern`` in ``text`` (commas allowed), which must match."""
+    match = re.search(pattern, text, flags=re.M)
+    assert match, f"no line matches {pattern!r} in:\n{text}"
+    return float(match.group(1).replace(",", ""))
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_train_compiled_ends_with_identical_parameters():
+    out = torchrun("train.py", "--steps", "40")
+    assert "torch.compile(fullgraph=True)" in out
+    first = number(r"^loss ([\d.]+) ->", out)
+    last = number(r"-> ([\d.]+) in 40 steps", out)
+    held_out = number(r"held-out loss ([\d.]+)", out)
+    assert math.isfinite(held_out) and last < 0.5 * first, out
+    assert "OK: parameters identical on all 2 ranks" in out
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT + 30)
+def test_gpt_resumed_run_matches_an_uninterrupted_one_bit_for_bit(tmp_path):
+    common = ["--no-compile", "--eval-every", "6", "--eval-batches", "2"]
+    straight = torchrun("gpt.py", *common, "--steps", "12", "--checkpoint", str(tmp_path / "a.pt"))
+    half = tmp_path / "b.pt"
+    # The schedule must be the full run's: --decay-steps 12 while stopping at 6.
+    torchrun("gpt.py", *common, "--steps", "6", "--decay-steps", "12", "--checkpoint", str(half))
+    resumed = torchrun("gpt.py", *common, "--steps", "12", "--checkpoint", str(half), "--resume")
+
+    assert f"resumed from {half} at step 6" in resumed
+    final = re.compile(r"^final: step 12, train loss .*$", flags=re.M)
+    assert final.search(straight) and final.search(straight)[0] == final.search(resumed)[0]
+    assert number(r"^step 12: train loss ([\d.]+)", straight) < 0.9 * math.log(59)  # learned
+    assert "OK: parameters identical on all 2 ranks" in straight
+    assert "sample:\nThe " in straight
+
+    a = torch.load(tmp_path / "a.pt")  # weights-only; importing fsync registered AdamState
+    b = torch.load(half)
+    assert a["step"] == b["step"] == 12
+    assert a["params"].keys() == b["params"].keys()
+    assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    assert isinstance(b["opt_state"], fsync.optim.AdamState)
+    assert int(b["opt_state"].step) == 12
+    for slot in ("exp_avg", "exp_avg_sq"):
+        x, y = getattr(a["opt_state"], slot), getattr(b["opt_state"], slot)
+        assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_zero_halves_the_state_and_reloads_in_the_other_layout():
+    out = torchrun("zero.py", "--no-compile", "--steps", "15")
+    unsharded = number(r"against ([\d,]+) bytes unsharded", out)
+    ranks = [number(rf"^  rank {r}: ([\d,]+) bytes", out) for r in (0, 1)]
+    # Each rank holds half of AdamW's two moments (and a step count of its own):
+    # together a little more than one full copy, the second step count and padding.
+    assert ranks[0] == ranks[1] < 0.51 * unsharded, out
+    assert unsharded <= sum(ranks) <= unsharded + 64, out
+    first = number(r"^loss ([\d.]+) ->", out)
+    last = number(r"-> ([\d.]+) in 15 steps", out)
+    assert last < first and math.isfinite(number(r"held-out loss ([\d.]+)", out))
+    # Gathered with zero_state_dict, saved, loaded as whole buckets, one more step each.
+    assert "OK: the checkpoint reloaded as whole buckets takes a bit-identical next step" in out
+    assert "OK: parameters identical on all 2 ranks" in out
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_compression_trains_with_every_hook_and_sends_less():
+    out = torchrun("compression.py", "--steps", "12", "--start-step", "2")
+    rows = {}
+    for name in ("allreduce", "fp16", "bf16", "powersgd", "bf16-powersgd", "quantize"):
+        match = re.search(rf"^{name} +([\d.]+) +([\d.]+) +([\d,]+) +([\d.]+) +(\d+)", out, re.M)
+        assert match, f"no row for {name} in:\n{out}"
+        train_loss, held_out, nbytes, ratio, _ = (float(g.replace(",", "")) for g in match.groups())
+        assert math.isfinite(train_loss) and held_out < math.log(59), (name, out)  # learned
+        rows[name] = nbytes, ratio
+    assert rows["allreduce"][1] == 1.0
+    assert rows["fp16"][1] == rows["bf16"][1] == 0.5  # half-width floats, same buckets
+    assert 0.24 < rows["quantize"][1] < 0.26  # 8 of 32 bits, plus a scale per bucket
+    assert rows["powersgd"][1] < 0.2  # rank-4 factors of 64-wide matrices
+    assert rows["bf16-powersgd"][0] == rows["powersgd"][0] / 2  # the same factors in bf16
+    assert "OK: every hook trained, parameters identical on all 2 ranks" in out
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_module_backward_matches_ddp_bit_for_bit():
+    out = torchrun("module_backward.py", "--steps", "20")
+    assert "OK: parameters and buffers equal to DDP's, bit for bit, at all 20 steps" in out
+    assert number(r"held-out accuracy ([\d.]+)%", out) > 50  # chance is 25%
+    assert "OK: parameters identical on all 2 ranks" in out
