@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -22,6 +23,67 @@ OVERLAP_OPTIONS: dict[str, Any] = {
 }
 
 
+class ScaleBeforeConcat(CustomGraphPass):
+    """An inductor pass: ``cat(xs) * c`` becomes ``cat([x * c for x in xs])``.
+
+    A bucket is packed by concatenating its leaves and then divided by the world
+    size; inductor copies the leaves into the bucket in one loop and multiplies the
+    bucket in a second one. Scaling each leaf on its way into the bucket gives the
+    same bits (an elementwise product by a scalar does not care where the element
+    sits) in one pass over memory instead of two. Only floating-point
+    concatenations with a single user and a Python scalar factor are rewritten.
+    """
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for mul in list(graph.nodes):
+            match = _scaled_concat(mul)
+            if match is None:
+                continue
+            cat, parts, factor = match
+            with graph.inserting_before(mul):
+                scaled = []
+                for part in parts:
+                    node = graph.call_function(mul.target, (part, factor))
+                    node.meta = dict(part.meta)  # same shape, strides and dtype as the part
+                    scaled.append(node)
+                fused = graph.call_function(torch.ops.aten.cat.default, (scaled, *cat.args[1:]))
+            fused.meta = dict(mul.meta)
+            mul.replace_all_uses_with(fused)
+            graph.erase_node(mul)
+            graph.erase_node(cat)
+
+    def uuid(self) -> Any:
+        return get_hash_for_files((__file__,))
+
+
+def _scaled_concat(
+    mul: torch.fx.Node,
+) -> tuple[torch.fx.Node, list[torch.fx.Node], int | float] | None:
+    """``(cat, parts, factor)`` when ``mul`` is ``cat(parts) * factor`` that can be rewritten."""
+    aten = torch.ops.aten
+    if mul.op != "call_function" or mul.target not in (aten.mul.Tensor, aten.mul.Scalar):
+        return None
+    if mul.kwargs or len(mul.args) != 2:
+        return None
+    cat, factor = mul.args
+    if not isinstance(cat, torch.fx.Node) or cat.target is not aten.cat.default:
+        return None
+    if len(cat.users) != 1 or isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        return None
+    value = cat.meta.get("val")
+    parts = cat.args[0]
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        return None
+    if not isinstance(parts, (list, tuple)) or not all(
+        isinstance(part, torch.fx.Node)
+        and isinstance(part.meta.get("val"), torch.Tensor)
+        and part.meta["val"].dtype == value.dtype
+        for part in parts
+    ):
+        return None
+    return cat, [part for part in parts if isinstance(part, torch.fx.Node)], factor
+
+
 def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs: Any) -> _F:
     """``torch.compile(fn, fullgraph=True)`` with fsync's recommended inductor settings.
 
@@ -29,8 +91,12 @@ def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs
     bucket's collective is issued as soon as its gradients exist and waited for
     only where its result is used, which lets communication run during the rest
     of the backward pass (the overlap DDP gets from autograd hooks, here from
-    the compiler). Everything else is ``torch.compile``; ``options=`` given here
-    are applied on top.
+    the compiler). In either case a post-grad pass (:class:`ScaleBeforeConcat`)
+    moves the ``1/world_size`` scaling of each bucket into the kernel that packs
+    it, so a bucket is written once instead of written and rescaled; the bits are
+    the same. Everything else is ``torch.compile``; ``options=`` given here are
+    applied on top (``options={"post_grad_custom_post_pass": None}`` turns the
+    pass off).
 
     Args:
         fn: The train step (or any function calling fsync).
@@ -48,6 +114,10 @@ def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs
         ...     return {k: p - 0.1 * grads[k] for k, p in params.items()}
         >>> train_step = fsync.compile(train_step)  # compiled on its first call
     """
-    options = {**(OVERLAP_OPTIONS if overlap else {}), **kwargs.pop("options", {})}
+    options = {
+        "post_grad_custom_post_pass": ScaleBeforeConcat(),
+        **(OVERLAP_OPTIONS if overlap else {}),
+        **kwargs.pop("options", {}),
+    }
     compiled = torch.compile(fn, fullgraph=fullgraph, options=options or None, **kwargs)
     return cast(_F, compiled)

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import fsync
+from benchmarks.cases import overlapped_kernels
 from tests._models import func_loss, params_of, ref_batch, ref_model
 from tests._world import World
 
@@ -38,3 +39,120 @@ def _on_rank_overlap_settings():
 @pytest.mark.parametrize("world", [2], indirect=True)
 def test_overlap_settings_change_no_result(world: World):
     world.run(_on_rank_overlap_settings, timeout=400)
+
+
+def _on_rank_overlap_in_code():
+    from torch._inductor.utils import run_and_get_code
+
+    rank = dist.get_rank()
+    model = ref_model()
+    loss_fn = func_loss(model)
+
+    def step(params, batch):
+        grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
+        grads = fsync.sync_grads(grads, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+        return {k: p - 0.1 * grads[k] for k, p in params.items()}, loss
+
+    counts = {}
+    for overlap in (True, False):
+        torch._dynamo.reset()  # a fresh compile, so that its code is captured
+        _, code = run_and_get_code(
+            fsync.compile(step, overlap=overlap), params_of(model), ref_batch(rank, 0)
+        )
+        counts[overlap] = overlapped_kernels(code[-1])
+    return counts
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_overlap_moves_backward_compute_under_the_collectives(world: World):
+    counts = world.run(_on_rank_overlap_in_code, timeout=400)[0]
+    (issued_on, overlapped_on), (issued_off, overlapped_off) = counts[True], counts[False]
+    assert issued_on == issued_off >= 3  # one all-reduce per bucket either way
+    # Without the passes inductor waits for each all-reduce right after issuing it, before
+    # the rest of the backward pass; with them, backward kernels run while it is in flight.
+    assert overlapped_on > overlapped_off, counts
+
+
+def test_overlapped_kernels_reads_inductor_code():
+    code = """
+    cpp_fused_cat_0 = async_compile.cpp_pybinding(['const float*'], 'x')
+    def call(args):
+        cpp_fused_cat_0(buf1, buf2)
+        torch.ops._c10d_functional.all_reduce_.default(buf2, 'sum', '0')
+        extern_kernels.mm(buf3, buf4, out=buf5)
+        buf6 = torch.ops.aten.convolution_backward.default(buf5, buf7)
+        torch.ops._c10d_functional.wait_tensor.default(buf2)
+        extern_kernels.mm(buf5, buf4, out=buf8)
+    """
+    assert overlapped_kernels(code) == (1, 2)
+
+
+def _scaled_cat(a, b, c):
+    return torch.cat([a, b]) * (1 / 3), torch.cat([a, c]).mul_(0.5)
+
+
+def test_scale_before_concat_rewrites_and_keeps_the_bits():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fsync._compile import ScaleBeforeConcat
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(n, generator=g) for n in (5, 7, 3)]
+    gm = make_fx(_scaled_cat)(*args)
+    expected = gm(*args)
+    ScaleBeforeConcat()(gm.graph)
+    gm.recompile()
+    aten = torch.ops.aten
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    # The product of the first cat moved onto its two parts; the in-place product of the
+    # second (make_fx does not functionalize) is not an out-of-place mul and stays.
+    assert targets.count(aten.mul.Tensor) == 2 and targets.count(aten.mul_.Tensor) == 1
+    assert all(
+        arg.target is not aten.cat.default
+        for n in gm.graph.nodes
+        if n.target is aten.mul.Tensor
+        for arg in n.args[:1]
+    )
+    for got, want in zip(gm(*args), expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_scale_before_concat_leaves_other_graphs_alone():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fsync._compile import ScaleBeforeConcat
+
+    def shared(a, b):  # the cat has a second user: scaling its parts would copy twice
+        c = torch.cat([a, b])
+        return c * 0.5, c
+
+    def integer(a, b):
+        return torch.cat([a, b]) * 3
+
+    def tensor_factor(a, b):
+        return torch.cat([a, b]) * a.sum()
+
+    x = torch.ones(4)
+    for fn, args in ((shared, (x, x)), (integer, (x.long(), x.long())), (tensor_factor, (x, x))):
+        gm = make_fx(fn)(*args)
+        before = str(gm.graph)
+        ScaleBeforeConcat()(gm.graph)
+        assert str(gm.graph) == before, fn.__name__
+
+
+def _on_rank_fsync_compile_bitwise():
+    rank = dist.get_rank()
+    model = ref_model()
+    grads = torch.func.grad(func_loss(model))(params_of(model), ref_batch(rank))
+    options = {"bucket_cap_mb": 0.001, "first_bucket_mb": 0.001}
+    compiled = fsync.compile(lambda g: fsync.sync_grads(g, **options))
+    out, ref = compiled(grads), fsync.sync_grads(grads, **options)
+    # With three ranks 1/3 is inexact: the bits only agree if every element is scaled once,
+    # by the same float, before the sum, whether or not the scaling moved into the packing.
+    for k in grads:
+        assert torch.equal(out[k], ref[k]), k
+
+
+@pytest.mark.parametrize("world", [3], indirect=True)
+def test_fsync_compile_sync_is_bitwise_eager(world: World):
+    world.run(_on_rank_fsync_compile_bitwise, timeout=400)
