@@ -1,0 +1,1 @@
+"""The benchmark suite: ``python benchmarks/run.py``."""

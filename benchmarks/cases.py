@@ -1,0 +1,322 @@
+"""The benchmark cases. Each ``case_*`` runs on every rank of an initialised group.
+
+Every figure is the median of the per-step wall time over ``steps`` steps after
+``warmup`` steps (compilation happens in the warm-up), taken on rank 0; the ranks
+are kept in step by the collectives themselves. Ratios are always between figures
+of the same run.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fsync
+from benchmarks.models import Workload
+
+LR = 1e-3
+
+
+def median_ms(fn: Callable[[], Any], *, warmup: int, steps: int) -> float:
+    """Median wall time of ``fn()`` in milliseconds, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    dist.barrier()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000.0 * statistics.median(times)
+
+
+_ISSUE = re.compile(
+    r"_c10d_functional\.(?:all_reduce_|all_reduce|reduce_scatter_tensor|all_gather_into_tensor)\.default\((\w+)"
+)
+_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)")
+_KERNEL = re.compile(
+    r"^\s*(?:\w+ = )?"
+    r"(?:extern_kernels\.\w+|torch\.ops\.aten\.[\w.]+|cpp_fused_\w+|triton_\w+\.run)\("
+)
+
+
+def overlapped_kernels(code: str) -> tuple[int, int]:
+    """(collectives, compute kernels launched while one is in flight) in inductor's output code.
+
+    A collective is in flight from the line that issues it to the ``wait_tensor`` on its
+    buffer; a kernel launched in between runs while the collective does, which is the
+    overlap the compiler's reordering buys.
+    """
+    in_flight: set[str] = set()
+    collectives = overlapped = 0
+    for line in code.splitlines():
+        if issued := _ISSUE.search(line):
+            in_flight.add(issued.group(1))
+            collectives += 1
+        elif waited := _WAIT.search(line):
+            in_flight.discard(waited.group(1))
+        elif in_flight and _KERNEL.match(line):
+            overlapped += 1
+    return collectives, overlapped
+
+
+# --- 1. step time ------------------------------------------------------------------------------
+
+
+def case_step_time(
+    work: Workload, warmup: int, steps: int
+) -> tuple[dict[str, float], dict[str, tuple[int, int]]]:
+    """One training step (forward, backward, sync, SGD update) in each setting.
+
+    Returns the median milliseconds per setting, and for the compiled fsync steps the
+    number of collectives in the compiled code and of compute kernels launched while one
+    of them is in flight (:func:`overlapped_kernels`), with and without overlap.
+    """
+    rank = dist.get_rank()
+    batch = work.batch(rank)
+    results: dict[str, float] = {}
+
+    # Autograd on an nn.Module: alone (the floor), then wrapped in DDP, eager and compiled.
+    def module_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+        def step() -> Any:
+            optimizer.zero_grad(set_to_none=True)
+            loss = work.loss(model, batch)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        return step
+
+    local = copy.deepcopy(work.model)
+    results["local eager (no sync)"] = median_ms(
+        module_step(local, torch.optim.SGD(local.parameters(), lr=LR)), warmup=warmup, steps=steps
+    )
+    ddp = DDP(copy.deepcopy(work.model))
+    results["DDP eager"] = median_ms(
+        module_step(ddp, torch.optim.SGD(ddp.parameters(), lr=LR)), warmup=warmup, steps=steps
+    )
+    ddp_c = DDP(copy.deepcopy(work.model))
+    compiled_ddp = torch.compile(ddp_c)
+    results["DDP compiled"] = median_ms(
+        module_step(compiled_ddp, torch.optim.SGD(ddp_c.parameters(), lr=LR)),
+        warmup=warmup,
+        steps=steps,
+    )
+
+    # The functional step: torch.func gradients, fsync's sync, fsync.optim's SGD.
+    optimizer = fsync.optim.sgd(LR)
+    params = {n: p.detach().clone() for n, p in work.model.named_parameters()}
+
+    def functional_step(sync: bool) -> Callable[..., Any]:
+        def step(params: dict[str, torch.Tensor], state: Any) -> Any:
+            loss, grads = torch.func.grad_and_value(work.functional_loss)(params, batch)[::-1]
+            if sync:
+                grads = fsync.sync_grads(grads)
+            params, state = optimizer.update(params, grads, state)
+            return params, state, loss
+
+        return step
+
+    def run(fn: Callable[..., Any]) -> Callable[[], Any]:
+        state = {"params": params, "opt": optimizer.init(params)}
+
+        def call() -> Any:
+            new, opt, loss = fn(state["params"], state["opt"])
+            state["params"], state["opt"] = new, opt
+            return loss.item()
+
+        return call
+
+    def compiled(name: str, sync: bool, overlap: bool) -> None:
+        call = run(fsync.compile(functional_step(sync), overlap=overlap))
+        if sync:  # compile on the first call, keeping inductor's code to read the overlap off
+            _, code = run_and_get_code(call)
+            overlap_counts[name] = overlapped_kernels(code[-1])
+        results[name] = median_ms(call, warmup=warmup, steps=steps)
+
+    overlap_counts: dict[str, tuple[int, int]] = {}
+    compiled("local compiled (no sync)", sync=False, overlap=False)
+    results["fsync eager"] = median_ms(run(functional_step(True)), warmup=warmup, steps=steps)
+    compiled("fsync compiled", sync=True, overlap=False)
+    compiled("fsync compiled + overlap", sync=True, overlap=True)
+    return results, overlap_counts
+
+
+# --- 2. sync only ------------------------------------------------------------------------------
+
+
+def case_sync_only(work: Workload, warmup: int, steps: int) -> dict[str, float]:
+    """``sync_grads`` of the model's gradient tree against one flat all-reduce of its bytes."""
+    rank = dist.get_rank()
+    grads = torch.func.grad(work.functional_loss)(work.params(), work.batch(rank))
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+
+    def flat_allreduce() -> None:
+        dist.all_reduce(flat)
+
+    def eager() -> None:
+        fsync.sync_grads(grads)
+
+    # Plain torch.compile, then fsync.compile's two additions one at a time.
+    plain = torch.compile(lambda g: fsync.sync_grads(g), fullgraph=True)
+    fused = fsync.compile(lambda g: fsync.sync_grads(g), overlap=False)
+    overlapped = fsync.compile(lambda g: fsync.sync_grads(g))  # the default: overlap=True
+
+    return {
+        "flat all-reduce (floor)": median_ms(flat_allreduce, warmup=warmup, steps=steps),
+        "sync_grads eager": median_ms(eager, warmup=warmup, steps=steps),
+        "sync_grads torch.compile": median_ms(lambda: plain(grads), warmup=warmup, steps=steps),
+        "sync_grads fsync.compile, overlap off": median_ms(
+            lambda: fused(grads), warmup=warmup, steps=steps
+        ),
+        "sync_grads compiled": median_ms(lambda: overlapped(grads), warmup=warmup, steps=steps),
+        "bytes": float(flat.numel() * flat.element_size()),
+    }
+
+
+# --- 3. leaf scaling ---------------------------------------------------------------------------
+
+
+def case_leaf_scaling(
+    total: int, counts: list[int], warmup: int, steps: int
+) -> dict[str, dict[int, float]]:
+    """The same bytes as 1, 100, ... leaves: eager and compiled sync time and compile time."""
+    rank = dist.get_rank()
+    out: dict[str, dict[int, float]] = {"eager": {}, "compiled": {}, "compile seconds": {}}
+    for n in counts:
+        g = torch.Generator().manual_seed(rank)
+        grads = {f"leaf{i}": torch.randn(total // n, generator=g) for i in range(n)}
+        eager, compiled, seconds = _leaf_timings(grads, warmup, steps)
+        out["eager"][n], out["compiled"][n], out["compile seconds"][n] = eager, compiled, seconds
+        torch._dynamo.reset()
+    return out
+
+
+def _leaf_timings(grads: dict[str, torch.Tensor], warmup: int, steps: int) -> tuple[float, ...]:
+    compiled_sync = fsync.compile(lambda g: fsync.sync_grads(g))
+    started = time.perf_counter()
+    compiled_sync(grads)
+    seconds = time.perf_counter() - started
+    return (
+        median_ms(lambda: fsync.sync_grads(grads), warmup=warmup, steps=steps),
+        median_ms(lambda: compiled_sync(grads), warmup=warmup, steps=steps),
+        seconds,
+    )
+
+
+# --- 4. hooks ----------------------------------------------------------------------------------
+
+
+def _hooks() -> dict[str, Callable[[], fsync.Hook]]:
+    ops = fsync.ops
+    return {
+        "allreduce": ops.allreduce,
+        "fp16_compress": ops.fp16_compress,
+        "bf16_compress": ops.bf16_compress,
+        "powersgd(1)": lambda: ops.powersgd(1, start_step=0),
+        "powersgd(4)": lambda: ops.powersgd(4, start_step=0),
+        "quantize(8)": ops.quantize,
+    }
+
+
+def case_hooks(work: Workload, warmup: int, steps: int) -> dict[str, dict[str, float]]:
+    """Bytes on the wire (measured by fsync.sync_stats) and eager sync time per hook."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    grads = torch.func.grad(work.functional_loss)(work.params(), work.batch(rank))
+    out: dict[str, dict[str, float]] = {}
+    for name, make in _hooks().items():
+        sync = fsync.GradSync(hook=make())
+        holder = {"state": sync.init(grads)}
+        ms = median_ms(_stateful(sync, grads, holder), warmup=warmup, steps=steps)
+        stats = fsync.sync_stats(
+            sync.plan, hook=sync.hook, state=holder["state"].hook, world_size=world_size
+        )
+        out[name] = {
+            "ms": ms,
+            "bytes on wire": float(stats.bytes_on_wire),
+            "relative": stats.bytes_on_wire / stats.bytes_reduced,
+            "collectives": float(stats.num_collectives),
+        }
+    return out
+
+
+def _stateful(sync: fsync.GradSync, grads: Any, holder: dict[str, Any]) -> Callable[[], None]:
+    def call() -> None:
+        _, holder["state"] = sync(grads, holder["state"])
+
+    return call
+
+
+# --- 5. ZeRO -----------------------------------------------------------------------------------
+
+
+def _state_bytes(tree: Any) -> int:
+    return sum(
+        t.numel() * t.element_size()
+        for t in fsync._tree.flatten(tree)[0]
+        if isinstance(t, torch.Tensor) and t.dim() > 0  # step counters aside
+    )
+
+
+def _zero_step(
+    work: Workload,
+    batch: tuple[torch.Tensor, ...],
+    step: fsync.ops.ZeroStep,
+    holder: dict[str, Any],
+    compiled: bool,
+) -> Callable[[], None]:
+    def train(params: Any, state: Any) -> Any:
+        grads = torch.func.grad(work.functional_loss)(params, batch)
+        return step(params, grads, state)
+
+    fn = fsync.compile(train, overlap=False) if compiled else train
+
+    def call() -> None:
+        holder["params"], holder["state"] = fn(holder["params"], holder["state"])
+
+    return call
+
+
+def case_zero(work: Workload, warmup: int, steps: int) -> dict[str, dict[str, float]]:
+    """A full AdamW step with ZeRO: fsync's two layouts against ZeroRedundancyOptimizer + DDP."""
+    rank = dist.get_rank()
+    batch = work.batch(rank)
+    out: dict[str, dict[str, float]] = {}
+
+    ddp = DDP(copy.deepcopy(work.model))
+    zero_opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+
+    def torch_step() -> None:
+        zero_opt.zero_grad(set_to_none=True)
+        work.loss(ddp, batch).backward()
+        zero_opt.step()
+
+    ms = median_ms(torch_step, warmup=warmup, steps=steps)
+    out["ZeroRedundancyOptimizer + DDP"] = {
+        "ms": ms,
+        "state bytes": float(_state_bytes(zero_opt.optim.state_dict()["state"])),
+    }
+
+    for label, shard, compiled in (
+        ("fsync zero sharded", True, False),
+        ("fsync zero whole buckets", False, False),
+        ("fsync zero sharded, compiled", True, True),
+    ):
+        step = fsync.ops.zero(fsync.optim.adamw(LR), shard_buckets=shard)
+        holder = {"params": work.params()}
+        holder["state"] = step.init(holder["params"])
+        call = _zero_step(work, batch, step, holder, compiled)
+        ms = median_ms(call, warmup=warmup, steps=steps)
+        out[label] = {"ms": ms, "state bytes": float(_state_bytes(holder["state"].opt))}
+    return out

@@ -1,0 +1,146 @@
+"""fsync beside DDP on the same work, in one run: ``python benchmarks/run.py``.
+
+Starts a gloo world of ``--world-size`` CPU processes (2 by default), runs every case
+in :mod:`benchmarks.cases`, prints the tables, and writes ``docs/benchmarks.md`` and
+``docs/benchmarks.png``. ``--smoke`` runs tiny sizes and few steps (what CI runs);
+``--only`` picks cases. Each figure is a median over steps after warm-up, and every
+comparison is a ratio of figures taken in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import socket
+import sys
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import fsync  # noqa: E402
+from benchmarks import cases, models  # noqa: E402
+
+CASES = ("step", "sync", "leaves", "hooks", "zero", "gpu")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, few steps (CI)")
+    parser.add_argument("--only", default=",".join(CASES), help=f"comma-separated, of {CASES}")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per figure")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per figure")
+    parser.add_argument("--leaves", default="1,100,1000,10000", help="leaf counts to scale over")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs", help="report folder")
+    parser.add_argument("--no-report", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    args.only = [c for c in args.only.split(",") if c]
+    unknown = set(args.only) - set(CASES)
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}; choose from {CASES}")
+    args.steps = args.steps or (3 if args.smoke else 20)
+    args.warmup = args.warmup or (2 if args.smoke else 5)
+    return args
+
+
+def _workloads(smoke: bool) -> list[models.Workload]:
+    if smoke:
+        return [models.mlp(scale=1 / 16), models.gpt(n_layer=1, scale=1 / 8, vocab_size=256)]
+    return [models.mlp(), models.gpt()]
+
+
+def _worker(rank: int, args: argparse.Namespace, init_file: str, result_file: str) -> None:
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.world_size
+    )
+    results: dict[str, Any] = {}
+    workloads = _workloads(args.smoke)
+    timing = {"warmup": args.warmup, "steps": args.steps}
+    if "step" in args.only:
+        step = {w.name: cases.case_step_time(w, **timing) for w in workloads}
+        results["step"] = {name: times for name, (times, _) in step.items()}
+        results["overlap"] = {name: counts for name, (_, counts) in step.items()}
+        results["params"] = {w.name: w.num_params for w in workloads}
+    if "sync" in args.only:
+        results["sync"] = cases.case_sync_only(workloads[-1], **timing)
+    if "leaves" in args.only:
+        counts = [int(n) for n in args.leaves.split(",")]
+        total = 1 << 16 if args.smoke else 8 << 20  # floats: 256 KiB or 32 MiB
+        results["leaves"] = cases.case_leaf_scaling(total, counts, **timing)
+        results["leaves_bytes"] = total * 4
+    if "hooks" in args.only:
+        results["hooks"] = cases.case_hooks(workloads[-1], **timing)
+    if "zero" in args.only:
+        results["zero"] = cases.case_zero(workloads[0], **timing)
+    if "gpu" in args.only:
+        results["gpu"] = (
+            "skipped: no CUDA device on this machine"
+            if not torch.cuda.is_available()
+            else "skipped: the GPU case needs NCCL with one rank; run benchmarks/gpu.py"
+        )
+    if rank == 0:
+        pathlib.Path(result_file).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _environment(args: argparse.Namespace) -> dict[str, str]:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{socket.gethostname()}: {cpu}, {os.cpu_count()} cores, {platform.system()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "fsync": fsync.__version__,
+        "backend": f"gloo on CPU, {args.world_size} ranks, 1 intra-op thread each",
+        "sizes": "smoke (tiny)" if args.smoke else "full",
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="fsync-bench-") as tmp:
+        result_file = os.path.join(tmp, "results.json")
+        mp.spawn(
+            _worker,
+            args=(args, os.path.join(tmp, "init"), result_file),
+            nprocs=args.world_size,
+            join=True,
+        )
+        results: dict[str, Any] = json.loads(pathlib.Path(result_file).read_text())
+    results["environment"] = _environment(args)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from benchmarks import report
+
+    results = run(args)
+    report.print_tables(results)
+    if not args.no_report:
+        paths = report.write(results, args.out)
+        print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
