@@ -8,13 +8,14 @@ unpacked leaves are views of the buffer.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from fsync import _tree
-from fsync._plan import BucketPlan, BucketSpec, LeafSpec, TensorMeta, tensor_meta
+from fsync._plan import BucketPlan, BucketSpec, LeafSpec, TensorMeta, count, tensor_meta
 
 _DIFFERENT_TREE = (
     "{what} does not match the plan: {detail}. Pass the tree the plan was built for "
@@ -191,8 +192,8 @@ def check_buffers(
     """Raises unless ``buffers`` fit ``specs`` (a plan's buckets or its dense ones)."""
     if len(buffers) != len(specs):
         raise ValueError(
-            f"{what}: got {len(buffers)} buffers for {len(specs)} buckets; expected exactly "
-            "one buffer per bucket, in the plan's order."
+            f"{what}: got {count(len(buffers), 'buffer')} for {count(len(specs), 'bucket')}; "
+            "expected exactly one buffer per bucket, in the plan's order."
         )
     for b, (buffer, spec) in enumerate(zip(buffers, specs, strict=True)):
         if not isinstance(buffer, torch.Tensor):
@@ -224,7 +225,10 @@ def unpack_leaves(buffers: Sequence[torch.Tensor], plan: BucketPlan) -> list[tor
         if spec.sparse:
             leaves[spec.leaves[0]] = buffer
             continue
-        pieces = torch.split(buffer, list(spec.sizes))
+        # One narrow per leaf rather than one split: a split's N outputs come back as
+        # getitems on one N-long list, which inductor lowers in time quadratic in N.
+        starts = itertools.accumulate(spec.sizes[:-1], initial=0)
+        pieces = [buffer.narrow(0, a, n) for a, n in zip(starts, spec.sizes, strict=True)]
         for i, piece, layout in zip(spec.leaves, pieces, spec.layouts, strict=True):
             if layout.view is not None:
                 piece = piece.view(layout.view)

@@ -253,6 +253,11 @@ def compute_bucket_assignment_by_size(
     return [list(bucket) for bucket in buckets]
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``"1 bucket"``, ``"3 buckets"``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketPlan:
     """Which leaves of a tree go into which flat bucket, in communication order.
@@ -369,9 +374,13 @@ class BucketPlan:
         return int.from_bytes(digest.digest(), "big") >> 1
 
     def __repr__(self) -> str:
+        leaves, buckets = (
+            count(len(self.leaves), "leaf", "leaves"),
+            count(len(self.buckets), "bucket"),
+        )
         return (
-            f"BucketPlan({len(self.leaves)} leaves, {len(self.buckets)} buckets, "
-            f"{sum(self.nbytes) / MiB:.2f} MiB, fingerprint={self.fingerprint:#018x})"
+            f"BucketPlan({leaves}, {buckets}, {sum(self.nbytes) / MiB:.2f} MiB, "
+            f"fingerprint={self.fingerprint:#018x})"
         )
 
     def __str__(self) -> str:
@@ -394,9 +403,10 @@ class BucketPlan:
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         right = {0, 1, 4}
         reduced = "" if self.reduce_dtype is None else f", reduced in {self.reduce_dtype}"
+        leaves = count(sum(len(b) for b in self.buckets), "tensor leaf", "tensor leaves")
         lines = [
-            f"BucketPlan: {sum(len(b) for b in self.buckets)} tensor leaves in "
-            f"{len(self.buckets)} buckets, {sum(self.nbytes) / MiB:.3f} MiB{reduced}"
+            f"BucketPlan: {leaves} in {count(len(self.buckets), 'bucket')}, "
+            f"{sum(self.nbytes) / MiB:.3f} MiB{reduced}"
         ]
         for row in rows:
             cells = [

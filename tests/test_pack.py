@@ -138,7 +138,7 @@ def test_pack_rejects_tensor_where_plan_has_none():
 def test_unpack_checks_buffers():
     plan = fsync.plan_buckets({"a": torch.ones(2), "b": torch.ones(3)})
     (buffer,) = fsync.pack({"a": torch.ones(2), "b": torch.ones(3)}, plan)
-    with pytest.raises(ValueError, match="got 2 buffers for 1 buckets"):
+    with pytest.raises(ValueError, match="got 2 buffers for 1 bucket;"):
         fsync.unpack([buffer, buffer], plan)
     with pytest.raises(ValueError, match="expected a dense 1-D tensor of 5 elements"):
         fsync.unpack([buffer[:4]], plan)
