@@ -12,8 +12,8 @@ from tests._models import func_loss, params_of, ref_batch, ref_model
 from tests._world import World
 
 
-def _on_rank_overlap_settings():
-    rank = dist.get_rank()
+def _sgd_step():
+    """The reference model and an SGD step over it that syncs three small buckets."""
     model = ref_model()
     loss_fn = func_loss(model)
 
@@ -21,6 +21,13 @@ def _on_rank_overlap_settings():
         grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
         grads = fsync.sync_grads(grads, bucket_cap_mb=0.001, first_bucket_mb=0.001)
         return {k: p - 0.1 * grads[k] for k, p in params.items()}, loss
+
+    return model, step
+
+
+def _on_rank_overlap_settings():
+    rank = dist.get_rank()
+    model, step = _sgd_step()
 
     results = {}
     for overlap in (True, False):
@@ -45,13 +52,7 @@ def _on_rank_overlap_in_code():
     from torch._inductor.utils import run_and_get_code
 
     rank = dist.get_rank()
-    model = ref_model()
-    loss_fn = func_loss(model)
-
-    def step(params, batch):
-        grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
-        grads = fsync.sync_grads(grads, bucket_cap_mb=0.001, first_bucket_mb=0.001)
-        return {k: p - 0.1 * grads[k] for k, p in params.items()}, loss
+    model, step = _sgd_step()
 
     counts = {}
     for overlap in (True, False):
