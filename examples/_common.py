@@ -17,13 +17,18 @@ import torch
 import torch.distributed as dist
 
 
-def parser(doc: str | None, *, steps: int, compile_flag: bool = True) -> argparse.ArgumentParser:
+def parser(
+    doc: str | None, *, steps: int, compile_flag: bool = True, compiled: bool = True
+) -> argparse.ArgumentParser:
     """An argument parser with the options every example shares.
 
     Args:
         doc: The example's module docstring; its first paragraph describes the command.
         steps: The default number of training steps.
-        compile_flag: Whether the example has a ``--no-compile`` switch.
+        compile_flag: Whether the example can run its step compiled (``args.no_compile``).
+        compiled: Compiled by default with a ``--no-compile`` switch, or eager by default
+            with a ``--compile`` switch (for examples whose compilation alone would take
+            most of a minute on a small machine).
     """
     description = (doc or "").split("\n\n")[0]
     p = argparse.ArgumentParser(description=description)
@@ -32,8 +37,15 @@ def parser(doc: str | None, *, steps: int, compile_flag: bool = True) -> argpars
     p.add_argument(
         "--backend", default=None, help="process group backend (default: nccl on cuda, else gloo)"
     )
-    if compile_flag:
+    if compile_flag and compiled:
         p.add_argument("--no-compile", action="store_true", help="run the train step eagerly")
+    elif compile_flag:
+        p.add_argument(
+            "--compile",
+            dest="no_compile",
+            action="store_false",
+            help="run the train step as one fsync.compile graph",
+        )
     return p
 
 

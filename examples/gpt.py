@@ -8,8 +8,9 @@
 
 Every rank draws its own random windows of the training text (the first 90% of
 ``examples/data/corpus.txt``) and computes gradients with ``torch.func``; the
-step (forward, backward, ``fsync.sync_grads``, ``fsync.optim.adamw``) runs as
-one ``torch.compile(fullgraph=True)`` graph (``--no-compile``: eagerly). The
+step (forward, backward, ``fsync.sync_grads``, ``fsync.optim.adamw``) runs
+eagerly, or with ``--compile`` as one ``fsync.compile`` graph (faster steps, but
+compiling takes about a minute on a two-core machine the first time). The
 learning rate is a tensor changed in place by the schedule, so the compiled
 step never recompiles. The progress bar shows the loss (mean over ranks) and
 tokens per second; the loss on the held-out last 10% is printed every
@@ -47,7 +48,7 @@ Params = dict[str, torch.Tensor]
 
 
 def parse_args() -> argparse.Namespace:
-    p = parser(__doc__, steps=150)
+    p = parser(__doc__, steps=150, compiled=False)
     p.add_argument("--batch", type=int, default=16, help="sequences per rank and step")
     p.add_argument("--block-size", type=int, default=64, help="context length in characters")
     p.add_argument("--n-layer", type=int, default=2)
@@ -153,8 +154,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         params, opt_state = opt.update(params, grads, opt_state)
         return params, opt_state, loss
 
-    step_fn = train_step if args.no_compile else torch.compile(train_step, fullgraph=True)
-    mode = "eager" if args.no_compile else "torch.compile(fullgraph=True)"
+    step_fn = train_step if args.no_compile else fsync.compile(train_step)
+    mode = "eager" if args.no_compile else "fsync.compile"
     tokens_per_step = world_size * args.batch * config.block_size
     print0(
         f"fsync {fsync.__version__}: {describe_world()}, GPT with {model.num_params():,} "

@@ -102,9 +102,9 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         params, opt_state = opt.update(params, grads, opt_state)
         return params, opt_state, sync_state, loss
 
-    step_fn = train_step if args.no_compile else torch.compile(train_step, fullgraph=True)
+    step_fn = train_step if args.no_compile else fsync.compile(train_step)
     if rank == 0:
-        mode = "eager" if args.no_compile else "torch.compile(fullgraph=True)"
+        mode = "eager" if args.no_compile else "fsync.compile"
         n = sum(p.numel() for p in params.values())
         print(
             f"fsync {fsync.__version__}: {world_size} ranks on {dist.get_backend()}, "

@@ -9,8 +9,8 @@ The character-level GPT of ``examples/gpt.py`` trains with
 are reduce-scattered, every rank updates its shard of the parameters with its
 shard of the AdamW state, and the shards are all-gathered
 (``--whole-buckets``: each bucket is all-reduced and updated by the one rank
-that owns it, which broadcasts it). The step is one
-``torch.compile(fullgraph=True)`` graph (``--no-compile``: eagerly).
+that owns it, which broadcasts it). The step runs eagerly, or with
+``--compile`` as one ``fsync.compile`` graph.
 
 It prints the optimizer-state bytes each rank holds against what plain AdamW
 holds, trains, and then checkpoints: ``fsync.ops.zero_state_dict`` gathers
@@ -42,7 +42,7 @@ import fsync
 
 
 def parse_args() -> argparse.Namespace:
-    p = parser(__doc__, steps=200)
+    p = parser(__doc__, steps=200, compiled=False)
     p.add_argument("--batch", type=int, default=16, help="sequences per rank and step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -132,7 +132,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     step = make_step(shard_buckets=not args.whole_buckets)
     state = step.init(params)  # plans the buckets, checks the ranks agree, shards the state
 
-    mode = "eager" if args.no_compile else "torch.compile(fullgraph=True)"
+    mode = "eager" if args.no_compile else "fsync.compile"
     print0(
         f"fsync {fsync.__version__}: {describe_world()}, GPT with {model.num_params():,} "
         f"parameters, ZeRO AdamW, {mode}"
@@ -150,7 +150,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         params, state = step(params, grads, state)  # sync, sharded update, gather
         return params, state, loss
 
-    step_fn = train_step if args.no_compile else torch.compile(train_step, fullgraph=True)
+    step_fn = train_step if args.no_compile else fsync.compile(train_step)
 
     def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return batch_at(

@@ -72,7 +72,7 @@ def number(pattern: str, text: str) -> float:
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_train_compiled_ends_with_identical_parameters():
     out = torchrun("train.py", "--steps", "40")
-    assert "torch.compile(fullgraph=True)" in out
+    assert "fsync.compile" in out
     first = number(r"^loss ([\d.]+) ->", out)
     last = number(r"-> ([\d.]+) in 40 steps", out)
     held_out = number(r"held-out loss ([\d.]+)", out)
@@ -82,7 +82,7 @@ def test_train_compiled_ends_with_identical_parameters():
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT + 30)
 def test_gpt_resumed_run_matches_an_uninterrupted_one_bit_for_bit(tmp_path):
-    common = ["--no-compile", "--eval-every", "6", "--eval-batches", "2"]
+    common = ["--eval-every", "6", "--eval-batches", "2"]
     straight = torchrun("gpt.py", *common, "--steps", "12", "--checkpoint", str(tmp_path / "a.pt"))
     half = tmp_path / "b.pt"
     # The schedule must be the full run's: --decay-steps 12 while stopping at 6.
@@ -110,7 +110,7 @@ def test_gpt_resumed_run_matches_an_uninterrupted_one_bit_for_bit(tmp_path):
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_zero_halves_the_state_and_reloads_in_the_other_layout():
-    out = torchrun("zero.py", "--no-compile", "--steps", "15")
+    out = torchrun("zero.py", "--steps", "15")
     unsharded = number(r"against ([\d,]+) bytes unsharded", out)
     ranks = [number(rf"^  rank {r}: ([\d,]+) bytes", out) for r in (0, 1)]
     # Each rank holds half of AdamW's two moments (and a step count of its own):
