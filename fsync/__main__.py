@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import fsync
+from fsync._plan import count
 
 
 def _backends() -> str:
@@ -48,7 +49,8 @@ def _self_check() -> str:
         for name, value in (("conv", conv), ("bias", bias)):
             if not torch.equal(out[name], value):
                 raise AssertionError(f"leaf {name!r} came back with other values")
-    return f"self-check ok: {len(plan.buckets)} buckets planned, packed, synced and unpacked"
+    buckets = count(len(plan.buckets), "bucket")
+    return f"self-check ok: {buckets} planned, packed, synced and unpacked"
 
 
 def main() -> int:

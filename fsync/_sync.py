@@ -22,6 +22,7 @@ from fsync._plan import (
     assignment_columns,
     check_bucket_options,
     check_reduce_dtype,
+    count,
     in_leaf_indices,
     leaf_spec,
     leaf_specs,
@@ -108,7 +109,7 @@ def _check_call_options(active: bool, divide_by: str) -> None:
 
 def _log_plan(plan: BucketPlan, where: str) -> None:
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("%s planned %d buckets:\n%s", where, len(plan.buckets), plan)
+        logger.debug("%s planned %s:\n%s", where, count(len(plan.buckets), "bucket"), plan)
 
 
 class _PlanCache:

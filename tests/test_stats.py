@@ -63,5 +63,5 @@ def test_plan_and_options():
 def test_plan_is_logged_at_debug(single_rank, caplog):
     with caplog.at_level(logging.DEBUG, logger="fsync"):
         fsync.GradSync().init({"w": torch.zeros(4)})
-    assert "GradSync.init planned 1 buckets" in caplog.text
-    assert "BucketPlan: 1 tensor leaves in 1 buckets" in caplog.text
+    assert "GradSync.init planned 1 bucket:" in caplog.text
+    assert "BucketPlan: 1 tensor leaf in 1 bucket" in caplog.text
