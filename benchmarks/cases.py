@@ -146,6 +146,9 @@ def case_step_time(
         results[name] = median_ms(call, warmup=warmup, steps=steps)
 
     overlap_counts: dict[str, tuple[int, int]] = {}
+    results["local functional eager (no sync)"] = median_ms(
+        run(functional_step(False)), warmup=warmup, steps=steps
+    )
     compiled("local compiled (no sync)", sync=False, overlap=False)
     results["fsync eager"] = median_ms(run(functional_step(True)), warmup=warmup, steps=steps)
     compiled("fsync compiled", sync=True, overlap=False)
@@ -165,6 +168,11 @@ def case_sync_only(work: Workload, warmup: int, steps: int) -> dict[str, float]:
     def flat_allreduce() -> None:
         dist.all_reduce(flat)
 
+    # The least a mean that leaves its input alone can do: one scaled copy, then the
+    # all-reduce (fsync's compiled sync is this plus the packing, fused into the copy).
+    def pure_mean() -> None:
+        dist.all_reduce(flat.mul(1 / dist.get_world_size()))
+
     def eager() -> None:
         fsync.sync_grads(grads)
 
@@ -175,6 +183,9 @@ def case_sync_only(work: Workload, warmup: int, steps: int) -> dict[str, float]:
 
     return {
         "flat all-reduce (floor)": median_ms(flat_allreduce, warmup=warmup, steps=steps),
+        "scaled copy + flat all-reduce (pure mean)": median_ms(
+            pure_mean, warmup=warmup, steps=steps
+        ),
         "sync_grads eager": median_ms(eager, warmup=warmup, steps=steps),
         "sync_grads torch.compile": median_ms(lambda: plain(grads), warmup=warmup, steps=steps),
         "sync_grads fsync.compile, overlap off": median_ms(

@@ -48,11 +48,16 @@ def allreduce(op: Literal["mean", "sum"] = "mean") -> Hook:
         # eagerly sparing the copy a functional all-reduce makes.
         divides = isinstance(ctx.divisor, torch.Tensor) or ctx.divisor != 1
         fresh = ctx.owned or (op == "mean" and divides)
-        if op == "mean":
-            buckets = [ctx.divide(b, inplace=ctx.owned) for b in buckets]
-        if ctx.scatter:
-            padded = [pad_to_shards(b, ctx.world_size) for b in buckets]
-            return [_comm.reduce_scatter(b, "sum", ctx.group) for b in padded], state
-        return [_comm.all_reduce(b, "sum", ctx.group, inplace=fresh) for b in buckets], state
+        # One bucket at a time, so that eagerly bucket k is on the wire while k + 1
+        # is divided.
+        out = []
+        for b in buckets:
+            if op == "mean":
+                b = ctx.divide(b, inplace=ctx.owned)
+            if ctx.scatter:
+                out.append(_comm.reduce_scatter(pad_to_shards(b, ctx.world_size), "sum", ctx.group))
+            else:
+                out.append(_comm.all_reduce(b, "sum", ctx.group, inplace=fresh))
+        return out, state
 
     return Hook(init, apply)
