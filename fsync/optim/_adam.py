@@ -11,6 +11,7 @@ from fsync._serialization import register_state
 from fsync.optim._base import (
     LearningRate,
     Optimizer,
+    add_scaled,
     addcdiv,
     check_hyper,
     check_lr,
@@ -87,7 +88,7 @@ def _adam(
             if weight_decay and decoupled:
                 p = torch.mul(p, decay)
             elif weight_decay:
-                g = torch.add(g, p, alpha=weight_decay)
+                g = add_scaled(g, p, weight_decay)
             m = torch.lerp(m, g, 1 - beta1)
             # In-place operations only on tensors made here, never on the inputs.
             # (Not addcmul_: functionalization would split it into a multiply and

@@ -11,6 +11,7 @@ from fsync._serialization import register_state
 from fsync.optim._base import (
     LearningRate,
     Optimizer,
+    add_scaled,
     check_hyper,
     check_lr,
     check_params,
@@ -110,15 +111,15 @@ def sgd(
                 new_buf.append(buf)
                 continue
             if weight_decay:
-                g = torch.add(g, p, alpha=weight_decay)
+                g = add_scaled(g, p, weight_decay)
             if momentum:
-                later = torch.mul(buf, momentum).add_(g, alpha=1 - dampening)
+                later = add_scaled(torch.mul(buf, momentum), g, 1 - dampening)
                 buf = torch.where(first.to(g.device), g, later)
-                g = torch.add(g, buf, alpha=momentum) if nesterov else buf
+                g = add_scaled(g, buf, momentum) if nesterov else buf
             if isinstance(neg_lr, torch.Tensor):
                 p = torch.addcmul(p, g, neg_lr.to(p.device))
             else:
-                p = torch.add(p, g, alpha=neg_lr)
+                p = add_scaled(p, g, neg_lr)
             new_p.append(p)
             new_buf.append(buf)
         buffers = _tree.unflatten(treespec, new_buf) if momentum else None
