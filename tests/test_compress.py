@@ -50,67 +50,65 @@ def _half_bound(parts, dtype):
 # --- parity with DDP ---------------------------------------------------------------------------
 
 
-def _on_rank_fp16_ddp_parity():
+def _ddp_bf16_compress_hook(state, bucket):
+    """DDP's own ``bf16_compress_hook``, registered under another name.
+
+    ``DistributedDataParallel.register_comm_hook`` refuses a hook whose ``__name__`` is
+    ``bf16_compress_hook`` unless CUDA with NCCL >= 2.10 (or XPU with XCCL) is present:
+    the check (``_check_comm_hook``) reads the name, not the backend. The hook itself only
+    casts the bucket to bfloat16, divides it by the world size and calls
+    ``dist.all_reduce``, which gloo does in bfloat16. Forwarding to it runs DDP's real
+    hook, on DDP's real ``GradBucket``s, on gloo.
+    """
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+_DDP_HOOKS = {
+    torch.float16: (default_hooks.fp16_compress_hook, fsync.ops.fp16_compress),
+    torch.bfloat16: (_ddp_bf16_compress_hook, fsync.ops.bf16_compress),
+}
+
+
+def _on_rank_ddp_parity(dtype):
     rank = dist.get_rank()
+    ddp_hook, fsync_hook = _DDP_HOOKS[dtype]
     model = ref_model()
     cap = 0.001  # several buckets
     ddp = DDP(copy.deepcopy(model), bucket_cap_mb=cap)
-    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    ddp.register_comm_hook(None, ddp_hook)
     for step in range(2):  # the second step runs on DDP's rebuilt buckets
         ddp.zero_grad(set_to_none=True)
         ref_loss(ddp, ref_batch(rank, step)).backward()
     ddp_grads = {n: p.grad for n, p in ddp.module.named_parameters()}
+    # DDP's hook did run: every gradient it left is a half precision value.
+    assert all(torch.equal(g, g.to(dtype).float()) for g in ddp_grads.values())
 
     grads = torch.func.grad(func_loss(model))(params_of(model), ref_batch(rank, 1))
-    synced = fsync.sync_grads(
-        grads, hook=fsync.ops.fp16_compress(), bucket_cap_mb=cap, first_bucket_mb=cap
-    )
+    synced = fsync.sync_grads(grads, hook=fsync_hook(), bucket_cap_mb=cap, first_bucket_mb=cap)
     exact = {}
     for name, parts in _gathered(grads).items():
         assert synced[name].dtype == torch.float32
         assert synced[name].stride() == ddp_grads[name].stride(), name
         diff = (synced[name].double() - ddp_grads[name].double()).abs()
-        assert torch.all(diff <= _half_bound(parts, torch.float16)), (name, diff.max())
+        assert torch.all(diff <= _half_bound(parts, dtype)), (name, diff.max())
         exact[name] = torch.equal(synced[name], ddp_grads[name])
-    return exact
-
-
-def _by_hand_bf16(grads, world_size):
-    """DDP's bf16_compress_hook, done by hand: DDP's own hook refuses gloo (it wants NCCL)."""
-    out = {}
-    for name, g in grads.items():
-        compressed = g.contiguous().to(torch.bfloat16).div_(world_size)
-        dist.all_reduce(compressed)
-        out[name] = compressed.to(g.dtype)
-    return out
-
-
-def _on_rank_bf16_parity():
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = ref_model()
-    grads = torch.func.grad(func_loss(model))(params_of(model), ref_batch(rank))
-    synced = fsync.sync_grads(grads, hook=fsync.ops.bf16_compress())
-    reference = _by_hand_bf16(grads, world_size)
-    exact = {}
-    for name, parts in _gathered(grads).items():
-        diff = (synced[name].double() - reference[name].double()).abs()
-        assert torch.all(diff <= _half_bound(parts, torch.bfloat16)), (name, diff.max())
-        exact[name] = torch.equal(synced[name], reference[name])
+    # The rounding is real: the half precision mean differs from the float32 one.
+    plain = fsync.sync_grads(grads, bucket_cap_mb=cap, first_bucket_mb=cap)
+    assert not all(torch.equal(plain[k], synced[k]) for k in grads)
     return exact
 
 
 @pytest.mark.parametrize("world", [2, 3], indirect=True)
-def test_fp16_matches_ddp_fp16_compress_hook(world: World):
-    reports = world.run(_on_rank_fp16_ddp_parity)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_matches_ddp_compress_hook(world: World, dtype):
+    """fp16_compress() / bf16_compress() against DDP's fp16_compress_hook / bf16_compress_hook.
+
+    Both of DDP's hooks run for real, registered on a DDP model over gloo; see
+    _ddp_bf16_compress_hook for how the bfloat16 one gets past DDP's NCCL-only name check.
+    """
+    reports = world.run(_on_rank_ddp_parity, dtype)
     if world.size == 2:
         # Two ranks: a * 0.5 is exact and a + b is one rounding in either order: bitwise.
-        assert all(all(r.values()) for r in reports), reports
-
-
-@pytest.mark.parametrize("world", [2, 3], indirect=True)
-def test_bf16_matches_ddp_bf16_compress_hook_operations(world: World):
-    reports = world.run(_on_rank_bf16_parity)
-    if world.size == 2:
         assert all(all(r.values()) for r in reports), reports
 
 

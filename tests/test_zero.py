@@ -6,7 +6,9 @@ their own assertions and return what the test process needs to see.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -261,16 +263,6 @@ def test_mixed_dtypes_and_none_leaves(world: World, shard_buckets):
 # --- hooks: compression composes; whole buckets are sharded locally -----------------------
 
 
-def _bf16_wrapper(inner):
-    """A hand-written compression hook: cast down, run ``inner``, cast back."""
-
-    def apply(buckets, state, ctx):
-        low, state = inner.apply([b.to(torch.bfloat16) for b in buckets], state, ctx)
-        return [x.to(b.dtype) for x, b in zip(low, buckets, strict=True)], state
-
-    return fsync.Hook(inner.init, apply)
-
-
 def _whole_buckets(inner):
     """A hook that ignores ctx.scatter and returns whole reduced buckets."""
 
@@ -280,35 +272,93 @@ def _whole_buckets(inner):
     return fsync.Hook(inner.init, apply)
 
 
-def _on_rank_hooks():
+@contextlib.contextmanager
+def _wire():
+    """Every collective the step issues, as (op, dtype, numel), passed on to fsync's own."""
+    sent = []
+    names = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+    originals = {name: getattr(_comm, name) for name in names}
+
+    def recording(name):
+        def collective(x, *args, **kwargs):
+            sent.append((name, x.dtype, x.numel()))
+            return originals[name](x, *args, **kwargs)
+
+        return collective
+
+    for name in names:
+        setattr(_comm, name, recording(name))
+    try:
+        yield sent
+    finally:
+        for name, original in originals.items():
+            setattr(_comm, name, original)
+
+
+def _on_rank_bf16_compress(shard_buckets):
+    """zero(adamw, hook=bf16_compress()): bfloat16 on the wire, AdamW on the bfloat16 mean."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = ref_model()
+    loss_fn = func_loss(model)
+    params = params_of(model)
+    step = fsync.ops.zero(
+        fsync.optim.adamw(**ADAMW),
+        hook=fsync.ops.bf16_compress(),
+        shard_buckets=shard_buckets,
+        **SMALL,
+    )
+    state = step.init(params)
+    numels = [spec.numel for spec in step.plan.specs]
+    if shard_buckets:  # gradients reduce-scattered (padded to W shards), shards gathered
+        padded = [world_size * shard_numel(n, world_size) for n in numels]
+        grads_sent = [("reduce_scatter", torch.bfloat16, n) for n in padded]
+        params_sent = [("all_gather", torch.float32, n // world_size) for n in padded]
+    else:  # gradients all-reduced, whole buckets broadcast by their owners
+        grads_sent = [("all_reduce", torch.bfloat16, n) for n in numels]
+        params_sent = [("broadcast", torch.float32, n) for n in numels]
+
+    # The reference: torch.optim.AdamW fed the bfloat16 mean as DDP's bf16_compress_hook
+    # computes it: cast to bfloat16, scale by 1/W, sum in bfloat16, cast back.
+    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    ref_opt = torch.optim.AdamW(list(ref.values()), **ADAMW)
+    for s in range(3):
+        grads = torch.func.grad(loss_fn)(params, ref_batch(rank, s))
+        if world_size > 2:
+            # Three ranks (padded shards): only rank 0 contributes, so that the sum of its
+            # scaled value and zeros is exact, whatever order gloo adds in.
+            grads = grads if rank == 0 else {k: torch.zeros_like(v) for k, v in grads.items()}
+        with _wire() as sent:
+            params, state = step(params, grads, state)
+        assert sent == grads_sent + params_sent, sent  # one bf16 collective per bucket
+        for k, parts in _gathered(grads).items():
+            # Two ranks: a * 0.5 is exact and a + b one rounding in either order, so
+            # gloo's sum and torch's agree bit for bit. Three: x * (1/3) + 0 + 0.
+            scaled = [p.bfloat16() * (1 / world_size) for p in parts]
+            ref[k].grad = functools.reduce(torch.add, scaled).float()
+        ref_opt.step()
+        # fsync.optim.adamw runs torch.optim.AdamW's operations (bitwise, see
+        # test_parity_with_torch_adamw_and_zero_redundancy_optimizer): the same bits.
+        for k, r in ref.items():
+            assert torch.equal(params[k], r.detach()), (s, k, (params[k] - r).abs().max())
+    # The float32 mean would have given other parameters: the test sees the rounding.
+    exact = fsync.ops.zero(fsync.optim.adamw(**ADAMW), shard_buckets=shard_buckets, **SMALL)
+    grads = torch.func.grad(loss_fn)(params_of(model), ref_batch(rank, 0))
+    plain, _ = exact(params_of(model), grads, exact.init(params_of(model)))
+    first, _ = step(params_of(model), grads, step.init(params_of(model)))
+    assert not all(torch.equal(plain[k], first[k]) for k in plain)
+
+
+@pytest.mark.parametrize("world", [2, 3], indirect=True)
+@pytest.mark.parametrize("shard_buckets", [True, False])
+def test_bf16_compress_sends_bfloat16_and_steps_on_the_bfloat16_mean(world: World, shard_buckets):
+    world.run(_on_rank_bf16_compress, shard_buckets)
+
+
+def _on_rank_whole_bucket_hooks():
     rank = dist.get_rank()
     params = params_of(ref_model())
     grads = torch.func.grad(func_loss(ref_model()))(params, ref_batch(rank))
     opt = fsync.optim.adamw(**ADAMW)
-
-    sent = []
-    original = _comm._reduce_scatter
-
-    def recording(x, *args):
-        sent.append(x.dtype)
-        return original(x, *args)
-
-    _comm._reduce_scatter = recording
-    try:
-        step = fsync.ops.zero(opt, hook=_bf16_wrapper(fsync.ops.allreduce()), **SMALL)
-        compressed, _ = step(params, grads, step.init(params))
-    finally:
-        _comm._reduce_scatter = original
-    assert sent == [torch.bfloat16] * 3  # one bf16 reduce-scatter per bucket
-
-    # The reference: the bf16 mean (two ranks: one rounding, order-free), then AdamW.
-    mean = {
-        k: (parts[0].bfloat16() * 0.5 + parts[1].bfloat16() * 0.5).float()
-        for k, parts in _gathered(grads).items()
-    }
-    expected, _ = opt.update(params, mean, opt.init(params))
-    assert all(torch.equal(compressed[k], expected[k]) for k in expected)
-
     plain = fsync.ops.zero(opt, **SMALL)
     whole = fsync.ops.zero(opt, hook=_whole_buckets(fsync.ops.allreduce()), **SMALL)
     a, _ = plain(params, grads, plain.init(params))
@@ -318,8 +368,8 @@ def _on_rank_hooks():
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)
-def test_hook_compresses_and_whole_bucket_hooks_work(world: World):
-    world.run(_on_rank_hooks)
+def test_hooks_returning_whole_buckets_work_when_sharding(world: World):
+    world.run(_on_rank_whole_bucket_hooks)
 
 
 # --- 4: clear errors ----------------------------------------------------------------------------
