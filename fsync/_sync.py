@@ -100,9 +100,11 @@ def _check_one_device(plan: BucketPlan) -> None:
         )
 
 
-def _check_call_options(active: bool, divide_by: str) -> None:
-    if not isinstance(active, bool):
-        raise TypeError(f"active must be a bool; got {active!r}.")
+def check_sync_options(*, divide_by: str, active: bool = True, find_unused: bool = False) -> None:
+    """Raises unless the options of ``sync_grads``, ``GradSync`` or ``sync_stats`` are valid."""
+    for name, flag in (("active", active), ("find_unused", find_unused)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool; got {flag!r}.")
     if divide_by not in ("world", "active"):
         raise ValueError(f"divide_by must be 'world' or 'active'; got {divide_by!r}.")
 
@@ -445,7 +447,7 @@ def sync_grads(
     hook = check_hook(_DEFAULT_HOOK if hook is None else hook)
     check_bucket_options(bucket_cap_mb, first_bucket_mb)
     check_reduce_dtype(reduce_dtype)
-    _check_call_options(active, divide_by)
+    check_sync_options(divide_by=divide_by, active=active)
     _comm.check_group(group)
     options = (bucket_cap_mb, first_bucket_mb, reduce_dtype)
     flat = _tree.flat_dict(grads) if torch.compiler.is_compiling() else None
@@ -504,6 +506,15 @@ class GradSync:
             gradient simply counts as zeros.
         divide_by: As for :func:`sync_grads`.
 
+    Attributes:
+        hook: The hook in use (the default filled in when none was given).
+        group: The ``group`` given.
+        bucket_cap_mb: The ``bucket_cap_mb`` given.
+        first_bucket_mb: The ``first_bucket_mb`` given.
+        reduce_dtype: The ``reduce_dtype`` given.
+        find_unused: The ``find_unused`` given.
+        divide_by: The ``divide_by`` given.
+
     Example:
         >>> import torch, fsync
         >>> params = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
@@ -528,9 +539,7 @@ class GradSync:
         self.hook = check_hook(_DEFAULT_HOOK if hook is None else hook)
         check_bucket_options(bucket_cap_mb, first_bucket_mb)
         check_reduce_dtype(reduce_dtype)
-        _check_call_options(True, divide_by)
-        if not isinstance(find_unused, bool):
-            raise TypeError(f"find_unused must be a bool; got {find_unused!r}.")
+        check_sync_options(divide_by=divide_by, find_unused=find_unused)
         self.group = group
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_mb = first_bucket_mb
@@ -610,7 +619,7 @@ class GradSync:
                 grad, or ``state`` belongs to another plan.
         """
         plan = self.plan
-        _check_call_options(active, self.divide_by)
+        check_sync_options(divide_by=self.divide_by, active=active)
         if not isinstance(state, SyncState):
             raise TypeError(
                 f"state is a {type(state).__name__}; expected the SyncState returned by "

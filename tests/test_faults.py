@@ -42,6 +42,47 @@ def test_peer_that_never_syncs_fails_within_the_timeout(mode):
     assert results[1] == (("died", 3) if mode == "dies" else ("ok", "skipped"))
 
 
+def _on_rank_one_stops_after_steps(mode):
+    rank = dist.get_rank()
+    sync = fsync.GradSync(bucket_cap_mb=1e-4, first_bucket_mb=1e-4)  # two buckets
+    grads = {"w": torch.ones(64), "b": torch.ones(32)}
+    state = sync.init(grads)
+    assert len(sync.plan.buckets) == 2
+    for _ in range(3):  # the steady state: bucket all-reduces only, no check
+        out, state = sync(grads, state)
+        assert torch.equal(out["w"], grads["w"])
+    if rank == 1:
+        if mode == "dies":
+            # Dies while computing its next step, once rank 0 surely read the last one.
+            time.sleep(0.5)
+            os._exit(3)
+        return "stopped"  # never calls the sync again
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="an fsync collective failed") as error:
+        sync(grads, state)
+    return time.monotonic() - started, str(error.value)
+
+
+@pytest.mark.parametrize("mode", ["skips", "dies"])
+def test_peer_that_stops_in_the_steady_state_fails_within_the_timeout(mode):
+    world = World(2, pg_timeout=PG_TIMEOUT)
+    results = world.run_unchecked(_on_rank_one_stops_after_steps, mode, timeout=60)
+    kind, value = results[0]
+    assert kind == "ok", value
+    elapsed, message = value
+    assert "process group's timeout" in message
+    if mode == "skips":
+        # A live peer that never answers: gloo waits out the group's timeout, then fails
+        # (measured: 4.00-4.01 s). The 3 s above it cover the rank's scheduling on two
+        # cores shared with other processes; below it, only timer granularity.
+        assert PG_TIMEOUT - 0.5 < elapsed < PG_TIMEOUT + 3, elapsed
+    else:
+        # A dead peer's sockets close: gloo fails as soon as rank 1 exits (its 0.5 s sleep;
+        # measured 0.51 s), well before the timeout.
+        assert elapsed < PG_TIMEOUT / 2, elapsed
+    assert results[1] == (("died", 3) if mode == "dies" else ("ok", "stopped"))
+
+
 def _on_rank_awkward_input():
     rank, world_size = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(rank)
@@ -105,13 +146,17 @@ def _on_rank_no_mutation():
     }
     params = {k: v.clone() for k, v in grads.items()}
     buffers = {"mean": torch.randn(3, generator=g), "count": torch.tensor(rank)}
-    inputs = (grads, params, buffers)
+    # Compiled below: a GradSync step whose plan casts (the fp32 leaves to bf16 and back).
+    sync = fsync.GradSync(reduce_dtype=torch.bfloat16)
+    state = sync.init(params)
+    inputs = (grads, params, buffers, state)
     sums = [_checksums(t) for t in inputs]
 
     fsync.sync_grads(grads)
     fsync.sync_grads(grads, reduce_dtype=torch.float32, active=rank == 0, divide_by="active")
-    sync = fsync.GradSync(find_unused=True)
-    sync(grads, sync.init(params))
+    unused = fsync.GradSync(find_unused=True)
+    unused(grads, unused.init(params))
+    sync(grads, state)
     fsync.broadcast(params)
     fsync.sync_buffers(buffers, mode="mean")
     fsync.verify(params)
@@ -119,6 +164,7 @@ def _on_rank_no_mutation():
     plan = fsync.plan_buckets(params)
     fsync.unpack(fsync.pack(grads, plan), plan)
     torch.compile(fsync.sync_grads, fullgraph=True)(grads)
+    torch.compile(lambda g, s: sync(g, s), fullgraph=True)(grads, state)
     for tree, saved in zip(inputs, sums, strict=True):
         _assert_untouched(tree, saved)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fsync
+from fsync._comm import Collective
 
 
 def _tree():
@@ -58,6 +59,56 @@ def test_plan_and_options():
     assert small.num_collectives == 3
     with pytest.raises(ValueError, match="world_size must be a positive int"):
         fsync.sync_stats(_tree(), world_size=0)
+
+
+def test_reduce_dtype_option():
+    # fp32 and bf16 leaves reduced in bf16: one bucket, two bytes per element on the wire.
+    stats = fsync.sync_stats(_tree(), reduce_dtype=torch.bfloat16)
+    assert stats.bytes_on_wire == (256 * 64 + 64 + 10) * 2
+    assert stats == fsync.sync_stats(fsync.plan_buckets(_tree(), reduce_dtype=torch.bfloat16))
+    up = fsync.sync_stats({"h": torch.zeros(10, dtype=torch.bfloat16)}, reduce_dtype=torch.float32)
+    assert up.collectives == (Collective("all_reduce", torch.float32, 10),)
+    with pytest.raises(TypeError, match="reduce_dtype must be None or a floating point"):
+        fsync.sync_stats(_tree(), reduce_dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    ("options", "numel"),
+    [({"find_unused": True}, 3 + 1), ({"divide_by": "active"}, 1)],
+    ids=["find_unused", "active"],
+)
+def test_counts_the_control_collective(options, numel):
+    tree = {**_tree(), "frozen": None}  # three tensor leaves; None leaves send no flag
+    plain = fsync.sync_stats(tree, world_size=4)
+    stats = fsync.sync_stats(tree, world_size=4, **options)
+    # The control all-reduce comes first; the buckets are unchanged.
+    assert stats.collectives == (Collective("all_reduce", torch.int32, numel), *plain.collectives)
+    assert stats.bytes_on_wire == plain.bytes_on_wire + numel * 4
+    assert stats.bytes_reduced == plain.bytes_reduced and stats.buckets == plain.buckets
+    assert "1 x all_reduce int32" in str(stats)
+    assert fsync.sync_stats(tree, world_size=1, **options).num_collectives == 0
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"find_unused": True}, {"divide_by": "active"}, {"reduce_dtype": torch.float32}]
+)
+def test_stats_match_a_recorded_gradsync_step(single_rank, options):
+    """sync_stats counts what GradSync really issues (its control collective included)."""
+    params = {**_tree(), "frozen": None}
+    grads = {**params, "b": None}  # unused on this rank
+    sync = fsync.GradSync(**options)
+    with fsync._comm.recording(3) as calls:
+        state = sync.init(params)
+        start = len(calls)  # after init's plan check
+        sync(grads, state)
+    assert fsync.sync_stats(params, world_size=3, **options).collectives == tuple(calls[start:])
+
+
+def test_option_errors():
+    with pytest.raises(TypeError, match="find_unused must be a bool"):
+        fsync.sync_stats(_tree(), find_unused=1)
+    with pytest.raises(ValueError, match="divide_by must be 'world' or 'active'"):
+        fsync.sync_stats(_tree(), divide_by="initial")
 
 
 def test_plan_is_logged_at_debug(single_rank, caplog):

@@ -346,23 +346,74 @@ def test_plan_is_cached(world: World):
     world.run(_on_rank_plan_cache)
 
 
+# Profiler names of collectives: the functional ops fsync issues, the c10d ops behind
+# torch.distributed's own calls, and the backends' work (gloo:all_gather, nccl:...).
+_COLLECTIVE_EVENTS = ("_c10d_functional::", "c10d::", "c10d_functional::", "gloo:", "nccl:")
+
+
 def _on_rank_no_collective():
     torch.manual_seed(0)  # equal on all ranks: the mean is the input itself
     grads = {"w": torch.randn(4, 3), "b": torch.randn(4)}
+    buffers = {"mean": torch.randn(3), "count": torch.tensor(7)}
     sync = fsync.GradSync()
     state = sync.init(grads)
     fsync.sync_grads(grads)  # plans and checks the plan (one small all-gather)
-    # Whatever issues the collective (functional or in place), the profiler sees it.
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        out = fsync.sync_grads(grads)
-        out2, _ = sync(grads, state)
-    assert all(torch.equal(out[k], grads[k]) and torch.equal(out2[k], grads[k]) for k in grads)
-    return [e.name for e in prof.events() if e.name.startswith("_c10d_functional::all_reduce")]
+
+    def find_unused():
+        unused = fsync.GradSync(find_unused=True)
+        return unused({"w": grads["w"], "b": None}, unused.init(grads))[0]
+
+    calls = {
+        "sync_grads": lambda: fsync.sync_grads(grads),
+        "GradSync": lambda: sync(grads, state)[0],
+        "inactive": lambda: fsync.sync_grads(grads, active=False, divide_by="active"),
+        "find_unused": find_unused,
+        "verify": lambda: fsync.verify(grads, values=True),
+        "broadcast": lambda: fsync.broadcast(grads),
+        "sync_buffers": lambda: fsync.sync_buffers(buffers),
+        "sync_buffers mean": lambda: fsync.sync_buffers(buffers, mode="mean"),
+    }
+    issued, results = {}, {}
+    for name, call in calls.items():
+        # Whatever issues a collective (functional or in place, fsync or c10d), the
+        # profiler sees it.
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            results[name] = call()
+        issued[name] = [e.name for e in prof.events() if e.name.startswith(_COLLECTIVE_EVENTS)]
+    expected = {"sync_grads": grads, "GradSync": grads, "broadcast": grads}
+    expected |= {"sync_buffers": buffers, "sync_buffers mean": buffers}  # a mean of equals
+    for name, tree in expected.items():
+        assert all(torch.equal(results[name][k], v) for k, v in tree.items()), name
+    assert all(torch.count_nonzero(v) == 0 for v in results["inactive"].values())  # nobody active
+    assert results["find_unused"]["b"] is None  # unused on every rank
+    assert torch.equal(results["find_unused"]["w"], grads["w"])
+    return issued
+
+
+def _functional_ops(names):
+    """The functional collectives among profiler event names (no waits), sorted."""
+    skip = ("wait_tensor", "_wrap_tensor_autograd")
+    return sorted(n for n in names if n.startswith("_c10d_functional::") and not n.endswith(skip))
 
 
 @pytest.mark.parametrize("world", [1, 2], indirect=True)
 def test_world_size_one_issues_no_collective(world: World):
     issued = world.run(_on_rank_no_collective)
-    # One bucket: one all-reduce per sync (in place, the sync owning its buffers).
-    expected = [] if world.size == 1 else ["_c10d_functional::all_reduce_"] * 2
-    assert issued == [expected] * world.size
+    if world.size == 1:
+        assert issued == [{name: [] for name in issued[0]}]
+        return
+    # On two ranks every call communicates: the profiler would have seen it on one.
+    for per_rank in issued:
+        assert all(per_rank.values()), per_rank
+        ops = {name: _functional_ops(names) for name, names in per_rank.items()}
+        # One bucket: one all-reduce per steady-state sync (in place, the sync owning its
+        # buffers), after a control all-reduce for divide_by="active" or find_unused (whose
+        # GradSync.init checks the plan with an all-gather first).
+        reduce, control, check = (
+            "_c10d_functional::all_reduce_",
+            "_c10d_functional::all_reduce",
+            "_c10d_functional::all_gather_into_tensor",
+        )
+        assert ops["sync_grads"] == ops["GradSync"] == [reduce]
+        assert ops["inactive"] == [control, reduce]
+        assert ops["find_unused"] == [check, control, reduce]

@@ -15,6 +15,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
+from fsync import _comm
+from fsync._comm import Collective
 from tests._models import func_loss, params_of, ref_batch, ref_loss, ref_model
 from tests._numerics import assert_same_as_ddp, gathered
 from tests._world import World
@@ -153,6 +155,33 @@ def test_call_options_are_checked(single_rank):
 # --- mixed precision (reduce_dtype) -------------------------------------------------------------
 
 
+def _assert_reduced_mean(out, parts, reduce_dtype, name):
+    """``out`` is the mean of ``parts`` reduced in ``reduce_dtype``, returned in the parts' dtype.
+
+    Two ranks: each term ``p * 0.5`` is exact and ``a + b`` rounds once, so the result
+    is the exact mean (of the terms cast to ``reduce_dtype``) rounded to
+    ``reduce_dtype``, then cast back: bitwise. More ranks, against the float64 mean:
+    casting a term, scaling it and each of the W - 1 additions round once each in
+    ``reduce_dtype`` (at most ``(W + 1) * eps / 2`` relative to sum|terms|; ``W * eps``
+    leaves a factor 2 for second-order terms), and the cast back to the leaf's dtype
+    rounds once more.
+    """
+    world_size = len(parts)
+    dtype = parts[0].dtype
+    assert out.dtype == dtype, name
+    scale = 1.0 / world_size
+    if world_size == 2:
+        exact = torch.stack([p.to(reduce_dtype) * scale for p in parts]).sum(0)
+        assert torch.equal(out, exact.to(dtype)), name
+        return
+    exact64 = torch.stack([p.double() * scale for p in parts]).sum(0)
+    terms = torch.stack([p.double().abs() * scale for p in parts]).sum(0)
+    reduced = world_size * torch.finfo(reduce_dtype).eps * terms
+    bound = reduced + torch.finfo(dtype).eps * (exact64.abs() + reduced)
+    diff = (out.double() - exact64).abs()
+    assert torch.all(diff <= bound), (name, diff.max(), bound.max())
+
+
 def _on_rank_reduce_dtype():
     rank, world_size = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(rank)
@@ -162,34 +191,30 @@ def _on_rank_reduce_dtype():
         "full": torch.randn(50, generator=g),
     }
     parts = gathered(grads)
-    scale = 1.0 / world_size
 
     # bf16/fp16 gradients reduced in fp32: one fp32 bucket, results in their own dtype.
     up = fsync.sync_grads(grads, reduce_dtype=torch.float32)
     assert fsync.plan_buckets(grads, reduce_dtype=torch.float32).nbytes == ((300 + 21 + 50) * 4,)
-    for name in grads:
-        exact = torch.stack([p.float() * scale for p in parts[name]]).sum(0)
-        assert up[name].dtype == grads[name].dtype
-        if world_size == 2:  # one fp32 rounding of the sum, then the cast back: bitwise
-            assert torch.equal(up[name], exact.to(grads[name].dtype)), name
-        else:
-            # Against the float64 mean: each fp32 term and the fp32 sum round (within
-            # W * eps32 * sum|terms|), then the cast to the leaf's dtype rounds once more.
-            exact64 = torch.stack([p.double() * scale for p in parts[name]]).sum(0)
-            terms = torch.stack([p.double().abs() * scale for p in parts[name]]).sum(0)
-            fp32 = world_size * torch.finfo(torch.float32).eps * terms
-            bound = fp32 + torch.finfo(grads[name].dtype).eps * (exact64.abs() + fp32)
-            assert torch.all((up[name].double() - exact64).abs() <= bound), name
+    sync = fsync.GradSync(reduce_dtype=torch.float32)
+    state = sync.init(grads)
+    assert [spec.dtype for spec in sync.plan.specs] == [torch.float32]
+    for _ in range(2):  # the same result on a later step (nothing kept between steps)
+        up_gradsync, state = sync(grads, state)
+        for name in grads:
+            _assert_reduced_mean(up[name], parts[name], torch.float32, name)
+            # The same plan and the same operations as sync_grads: the same bits.
+            assert torch.equal(up_gradsync[name], up[name]), name
 
     # fp32 gradients reduced in bf16: the same as bf16 compression, then back to fp32.
-    down = fsync.sync_grads({"full": grads["full"]}, reduce_dtype=torch.bfloat16)
-    compressed = torch.stack([p.to(torch.bfloat16) * scale for p in parts["full"]])
-    assert down["full"].dtype == torch.float32
-    if world_size == 2:  # a bf16 add of two bf16 terms is one rounding either way round
-        assert torch.equal(down["full"], compressed.sum(0).float())
+    full = {"full": grads["full"]}
+    down = fsync.sync_grads(full, reduce_dtype=torch.bfloat16)
+    _assert_reduced_mean(down["full"], parts["full"], torch.bfloat16, "full")
+    sync = fsync.GradSync(reduce_dtype=torch.bfloat16)
+    down_gradsync, _ = sync(full, sync.init(full))
+    assert torch.equal(down_gradsync["full"], down["full"])
     # Lower precision really went over the wire: half the bytes.
-    stats = fsync.sync_stats({"full": grads["full"]}, world_size=world_size)
-    bf16_plan = fsync.plan_buckets({"full": grads["full"]}, reduce_dtype=torch.bfloat16)
+    stats = fsync.sync_stats(full, world_size=world_size)
+    bf16_plan = fsync.plan_buckets(full, reduce_dtype=torch.bfloat16)
     assert fsync.sync_stats(bf16_plan, world_size=world_size).bytes_on_wire * 2 == (
         stats.bytes_on_wire
     )
@@ -203,3 +228,50 @@ def _on_rank_reduce_dtype():
 @pytest.mark.parametrize("world", [2, 3], indirect=True)
 def test_reduce_dtype(world: World):
     world.run(_on_rank_reduce_dtype, timeout=300)
+
+
+# --- the control collective (find_unused, divide_by="active") -----------------------------------
+
+
+def _steps_recorded(params, grads, **options):
+    """The collectives of two GradSync steps after init, recorded as if on two ranks."""
+    sync = fsync.GradSync(**options)
+    steps = []
+    with _comm.recording(2) as calls:
+        state = sync.init(params)  # its plan check is not a step's
+        for _ in range(2):
+            start = len(calls)
+            _, state = sync(grads, state)
+            steps.append(calls[start:])
+    buckets = [Collective("all_reduce", spec.dtype, spec.numel) for spec in sync.plan.specs]
+    return steps, buckets
+
+
+@pytest.mark.parametrize(
+    ("options", "control"),
+    [
+        ({}, []),
+        ({"find_unused": True}, [Collective("all_reduce", torch.int32, 3 + 1)]),
+        ({"divide_by": "active"}, [Collective("all_reduce", torch.int32, 1)]),
+        (
+            {"find_unused": True, "divide_by": "active"},
+            [Collective("all_reduce", torch.int32, 3 + 1)],
+        ),
+    ],
+    ids=["world", "find_unused", "active", "both"],
+)
+def test_control_collective_only_when_needed(single_rank, options, control):
+    # Recorded by fsync's comm module, the one place that calls torch.distributed.
+    # Three tensor leaves (one unused on this rank) and a None leaf, in two dtypes.
+    params = {
+        "w": torch.zeros(64, 32),
+        "b": torch.zeros(32),
+        "frozen": None,
+        "h": torch.zeros(8, dtype=torch.bfloat16),
+    }
+    grads = {**params, "w": torch.ones(64, 32), "b": None}
+    steps, buckets = _steps_recorded(params, grads, **options)
+    assert len(buckets) == 2
+    # One int32 per tensor leaf and one for "active" (only that one for divide_by), before
+    # the buckets, every step; none at all with find_unused=False and divide_by="world".
+    assert steps == [control + buckets] * 2
