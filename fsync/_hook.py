@@ -80,11 +80,18 @@ ApplyFn = Callable[[Buckets, Any, SyncContext], tuple[Buckets, Any]]
 class Hook(NamedTuple):
     """A bucket transformation: ``init(plan) -> state`` and ``apply(buckets, state, ctx)``.
 
-    ``apply`` receives one flat 1-D tensor per dense bucket (see
-    :attr:`SyncContext.buckets`) and returns as many tensors of the same sizes
-    and dtypes, plus its new state. It must not modify its inputs in place.
-    ``init`` returns the initial state: a pytree of tensors, ``()`` when the
-    hook keeps none.
+    Both are pure functions, like the two halves of an optax
+    ``GradientTransformation``; :func:`chain` composes hooks.
+
+    Attributes:
+        init: ``init(plan) -> state``: the initial state for a
+            :class:`BucketPlan`, a pytree of tensors, ``()`` when the hook keeps
+            none.
+        apply: ``apply(buckets, state, ctx) -> (buckets, state)``: receives one
+            flat 1-D tensor per dense bucket (see :attr:`SyncContext.buckets`),
+            the state and a :class:`SyncContext`, and returns as many tensors of
+            the same sizes and dtypes, plus its new state. It must not modify
+            its inputs in place (unless ``ctx.owned`` allows it).
 
     Example:
         >>> import fsync

@@ -29,13 +29,22 @@ Order = Literal["reverse", "forward"] | Sequence[int]
 class LeafSpec(NamedTuple):
     """Metadata of one leaf: everything the plan needs, nothing about values.
 
-    ``perm`` is the leaf's memory layout as a dimension order, outermost first:
-    ``tensor.permute(perm)`` is contiguous. ``(0, 1, 2, 3)`` is a contiguous
-    NCHW tensor, ``(0, 2, 3, 1)`` a channels_last one. Buckets store leaves in
-    this order, so a leaf comes back from :func:`fsync.unpack` with the layout
-    it went in with, as DDP's bucket views keep the parameter's strides.
-    ``sparse_dim`` is 0 for a dense leaf and the number of sparse dimensions of
-    a sparse COO leaf (whose ``perm`` is empty).
+    Buckets store each leaf in its memory order (``perm``), so a leaf comes back
+    from :func:`fsync.unpack` with the layout it went in with, as DDP's bucket
+    views keep the parameter's strides.
+
+    Attributes:
+        path: The leaf's path in the tree, as error messages and ``print(plan)``
+            show it (``"layer.0.weight"``).
+        shape: The leaf's shape.
+        dtype: The leaf's dtype.
+        device: The leaf's device.
+        perm: The leaf's memory layout as a dimension order, outermost first:
+            ``tensor.permute(perm)`` is contiguous. ``(0, 1, 2, 3)`` is a
+            contiguous NCHW tensor, ``(0, 2, 3, 1)`` a channels_last one; empty
+            for a sparse leaf.
+        sparse_dim: 0 for a dense leaf, the number of sparse dimensions of a
+            sparse COO leaf.
     """
 
     path: str
@@ -47,14 +56,17 @@ class LeafSpec(NamedTuple):
 
     @property
     def sparse(self) -> bool:
+        """Whether the leaf is a sparse COO tensor (it then has a bucket of its own)."""
         return self.sparse_dim > 0
 
     @property
     def numel(self) -> int:
+        """Number of elements of the leaf's shape (dense size, for a sparse leaf too)."""
         return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the leaf in its own dtype: ``numel`` times the dtype's item size."""
         return self.numel * self.dtype.itemsize
 
     @property
@@ -108,14 +120,19 @@ class BucketSpec(NamedTuple):
     sizes: tuple[int, ...]
     """Number of elements of each leaf."""
     numel: int
+    """Number of elements of the buffer: the sum of ``sizes``."""
     dtype: torch.dtype
+    """The buffer's dtype: the leaves' own, or the plan's ``reduce_dtype`` if floating."""
     device: torch.device
+    """The device of the buffer and of all its leaves."""
     sparse: bool
+    """Whether the bucket holds one sparse COO leaf (such a bucket never reaches a hook)."""
     layouts: tuple[LeafLayout, ...] = ()
     """How each leaf goes in and out of the buffer (empty for a sparse bucket)."""
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the buffer: ``numel`` times the item size of ``dtype``."""
         return self.numel * self.dtype.itemsize
 
 
@@ -282,6 +299,7 @@ class BucketPlan:
     buckets: tuple[tuple[int, ...], ...]
     reduce_dtype: torch.dtype | None = None
     specs: tuple[BucketSpec, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    """One :class:`BucketSpec` per bucket, in communication order (derived, not compared)."""
     skeleton: Any = dataclasses.field(init=False, repr=False, compare=False)
     """The tree with each leaf replaced by its index; see :meth:`structure`."""
     dict_keys: tuple[Any, ...] | None = dataclasses.field(init=False, repr=False, compare=False)
@@ -355,6 +373,7 @@ class BucketPlan:
 
     @property
     def num_leaves(self) -> int:
+        """Number of leaves of the tree, ``None`` leaves included."""
         return len(self.leaves)
 
     @functools.cached_property

@@ -216,7 +216,7 @@ def test_compiled_train_step_matches_eager_with_gradients_from_matmuls():
     def step(all_params, states):
         out = [
             opt.update(p, torch.func.grad(loss_fn)(p), s)
-            for opt, p, s in zip(opts, all_params, states)
+            for opt, p, s in zip(opts, all_params, states, strict=True)
         ]
         return [p for p, _ in out], [s for _, s in out]
 

@@ -129,6 +129,8 @@ class ZeroStep:
         hook: The hook the gradient buckets go through.
         shard_buckets: Whether buckets are sharded (``True``) or owned whole.
         group: The process group.
+        bucket_cap_mb: Bucket size limit in MiB of the plan.
+        first_bucket_mb: Size limit of the plan's first bucket in MiB.
     """
 
     def __init__(

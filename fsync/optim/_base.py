@@ -34,10 +34,15 @@ _CPU = torch.device("cpu")
 class Optimizer(NamedTuple):
     """A pure functional optimizer: ``init(params) -> state`` and ``update``.
 
-    ``update(params, grads, state)`` returns ``(params, state)``: new tensors,
-    the inputs untouched. ``params`` may be any pytree of floating point
-    tensors (``None`` leaves stay ``None``); a ``None`` gradient leaves its
-    parameter and that parameter's state as they are.
+    ``params`` may be any pytree of floating point tensors (``None`` leaves stay
+    ``None``); a ``None`` gradient leaves its parameter and that parameter's
+    state as they are.
+
+    Attributes:
+        init: ``init(params) -> state``: the optimizer's initial state for a
+            parameter tree (an :class:`SGDState` or :class:`AdamState`).
+        update: ``update(params, grads, state) -> (params, state)``: one step,
+            returning new tensors and leaving the inputs untouched.
 
     Example:
         >>> import torch, fsync
