@@ -47,7 +47,7 @@ _ISSUE = re.compile(
 _WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)")
 _KERNEL = re.compile(
     r"^\s*(?:\w+ = )?"
-    r"(?:extern_kernels\.\w+|torch\.ops\.aten\.[\w.]+|cpp_fused_\w+|triton_\w+\.run)\("
+    r"(?:extern_kernels\.\w+|torch\.ops\.(?:aten|fsync)\.[\w.]+|cpp_fused_\w+|triton_\w+\.run)\("
 )
 
 
@@ -83,6 +83,9 @@ def case_step_time(
     number of collectives in the compiled code and of compute kernels launched while one
     of them is in flight (:func:`overlapped_kernels`), with and without overlap.
     """
+    # Compile each workload as a fresh process would: dynamo keys what it learns by code
+    # object, and after another model it would recompile this one with dynamic shapes.
+    torch._dynamo.reset()
     rank = dist.get_rank()
     batch = work.batch(rank)
     results: dict[str, float] = {}
@@ -331,3 +334,82 @@ def case_zero(work: Workload, warmup: int, steps: int) -> dict[str, dict[str, fl
         ms = median_ms(call, warmup=warmup, steps=steps)
         out[label] = {"ms": ms, "state bytes": float(_state_bytes(holder["state"].opt))}
     return out
+
+
+# --- 6. the compiled sync up close ---------------------------------------------------------------
+
+
+def kernels_launched(code: str) -> int:
+    """Compute kernels (fused, extern and fallback ops) in inductor's output code.
+
+    Collectives and waits are not counted, nor views (``reinterpret_tensor``), which
+    launch nothing.
+    """
+    return sum(1 for line in code.splitlines() if _KERNEL.match(line))
+
+
+def case_anatomy(work: Workload, warmup: int, steps: int, device: torch.device) -> dict[str, Any]:
+    """The compiled sync of the model's gradients on ``device``, taken apart.
+
+    Kernels per bucket (read off inductor's code), compile time, graphs compiled
+    over ``steps`` more calls with new values, and the time of packing and
+    unpacking (no communication) against one copy of the same bytes.
+    """
+    rank = dist.get_rank()
+    grads = torch.func.grad(work.functional_loss)(work.params(), work.batch(rank))
+    grads = {k: g.to(device) for k, g in grads.items()}
+    plan = fsync.plan_buckets(grads)
+    nbytes = sum(plan.nbytes)
+
+    def timed(fn: Callable[[], Any]) -> Callable[[], None]:
+        def call() -> None:
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        return call
+
+    sync = fsync.compile(lambda g: fsync.sync_grads(g))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    started = time.perf_counter()
+    # Inductor's caches off: the sync-only case compiled this very graph earlier in the run.
+    with torch._inductor.config.patch(force_disable_caches=True):
+        _, code = run_and_get_code(sync, grads)
+    compile_s = time.perf_counter() - started
+    for s in range(steps):
+        sync({k: g * (s + 2) for k, g in grads.items()})
+    recompiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs - 1
+
+    def round_trip(g: dict[str, torch.Tensor]) -> Any:
+        return fsync.unpack(fsync.pack(g, plan), plan)
+
+    compiled_round_trip = fsync.compile(round_trip)
+    # The floor copies the same bytes in pieces of the buckets' sizes, so that both sides
+    # allocate alike (on CPU one 80 MiB tensor is mapped and faulted in afresh on every
+    # call, where a bucket-sized one reuses the heap).
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    pieces = flat.split([spec.numel for spec in plan.specs])
+
+    def copy() -> list[torch.Tensor]:
+        return [piece.clone() for piece in pieces]
+
+    return {
+        "device": str(device),
+        "buckets": len(plan.buckets),
+        "kernels": kernels_launched(code[-1]),
+        "compile s": compile_s,
+        "recompiles": recompiles,
+        "bytes": float(nbytes),
+        "ms": {
+            "copy of the same bytes (floor)": median_ms(timed(copy), warmup=warmup, steps=steps),
+            "pack + unpack, eager": median_ms(
+                timed(lambda: round_trip(grads)), warmup=warmup, steps=steps
+            ),
+            "pack + unpack, compiled": median_ms(
+                timed(lambda: compiled_round_trip(grads)), warmup=warmup, steps=steps
+            ),
+            "sync_grads, compiled": median_ms(
+                timed(lambda: sync(grads)), warmup=warmup, steps=steps
+            ),
+        },
+    }

@@ -49,8 +49,20 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         out.append(
             (f"compiled sync of {int(most):,} leaves <= 1.3 x 1 leaf", _ratio(ratio), ratio <= 1.3)
         )
+    if "anatomy" in results:
+        anatomy = results["anatomy"]
+        on = f"({anatomy['device']})"
+        per_bucket = anatomy["kernels"] / anatomy["buckets"]
+        out.append(
+            (f"pack + unpack kernels per bucket <= 2 {on}", f"{per_bucket:g}", per_bucket <= 2)
+        )
+        ms = anatomy["ms"]
+        share = ms["copy of the same bytes (floor)"] / ms["pack + unpack, compiled"]
+        out.append((f"pack + unpack >= 80% of copy bandwidth {on}", f"{share:.0%}", share >= 0.8))
+        recompiles = anatomy["recompiles"]
+        out.append((f"no recompile after the first step {on}", str(recompiles), recompiles == 0))
     if isinstance(results.get("gpu"), str):
-        out.append(("GPU targets (kernels, bandwidth, overlap)", results["gpu"], None))
+        out.append(("compute/communication overlap on GPUs, above DDP's", "not measured", None))
     return out
 
 
@@ -113,7 +125,7 @@ def tables(results: dict[str, Any]) -> list[Table]:
         out.append(
             (
                 f"3. Leaf scaling: {results['leaves_bytes'] / 2**20:.0f} MiB as n leaves",
-                ["leaves", "eager ms", "vs 1", "compiled ms", "vs 1", "compile s"],
+                ["leaves", "eager ms", "vs 1", "compiled ms", "vs 1", "compile s (empty cache)"],
                 rows,
             )
         )
@@ -145,6 +157,37 @@ def tables(results: dict[str, Any]) -> list[Table]:
                 "5. ZeRO on the MLP: AdamW step (forward, backward, sync, update)",
                 ["", "ms", "optimizer state MiB per rank"],
                 rows,
+            )
+        )
+    if "anatomy" in results:
+        anatomy = results["anatomy"]
+        nbytes = anatomy["bytes"]
+        copy = anatomy["ms"]["copy of the same bytes (floor)"]
+        rows = [
+            [name, _ms(ms), f"{2 * nbytes / ms / 1e6:.1f}", _ratio(ms / copy)]
+            for name, ms in anatomy["ms"].items()
+        ]
+        out.append(
+            (
+                f"6. The compiled sync up close, on {anatomy['device']}: the GPT's gradients "
+                f"({nbytes / 2**20:.1f} MiB)",
+                ["", "ms", "GB/s read + written", "vs copy"],
+                rows,
+            )
+        )
+        out.append(
+            (
+                "6b. What the compiled sync is made of",
+                ["buckets", "kernels", "kernels per bucket", "compile s", "graphs after the first"],
+                [
+                    [
+                        str(anatomy["buckets"]),
+                        str(anatomy["kernels"]),
+                        f"{anatomy['kernels'] / anatomy['buckets']:g}",
+                        f"{anatomy['compile s']:.1f}",
+                        str(anatomy["recompiles"]),
+                    ]
+                ],
             )
         )
     return out
@@ -265,7 +308,7 @@ def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
     for title, header, rows in tables(results):
         parts += [f"## {title}", "", _markdown_table(header, rows), ""]
     if isinstance(results.get("gpu"), str):
-        parts += ["## 6. GPU", "", results["gpu"], ""]
+        parts += ["## 7. GPU", "", results["gpu"], ""]
     md = out / "benchmarks.md"
     md.write_text("\n".join(parts))
     return [md, png]

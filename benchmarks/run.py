@@ -30,20 +30,28 @@ sys.path.insert(0, str(ROOT))
 import fsync  # noqa: E402
 from benchmarks import cases, models  # noqa: E402
 
-CASES = ("step", "sync", "leaves", "hooks", "zero", "gpu")
+CASES = ("step", "sync", "leaves", "hooks", "zero", "anatomy")
+# What runs on a GPU: the other cases compare with DDP on CPU processes.
+CUDA_CASES = ("anatomy",)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, few steps (CI)")
     parser.add_argument("--only", default=",".join(CASES), help=f"comma-separated, of {CASES}")
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo ranks on this machine; cuda: NCCL, one rank per GPU, case 6 only",
+    )
+    parser.add_argument("--world-size", type=int, default=None, help="2 on CPU, 1 on CUDA")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per figure")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per figure")
     parser.add_argument(
         "--leaves",
         default="1,100,1000,10000",
-        help="leaf counts to scale over (10,000 leaves compile for about 10 minutes on 2 cores)",
+        help="leaf counts to scale over (10,000 leaves compile in 2 to 3 minutes on 2 cores)",
     )
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs", help="report folder")
     parser.add_argument("--no-report", action="store_true", help="print only")
@@ -52,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.only) - set(CASES)
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}; choose from {CASES}")
+    if args.device == "cuda":
+        args.only = [c for c in args.only if c in CUDA_CASES]
+        if not torch.cuda.is_available():
+            parser.error("--device cuda needs a CUDA device; none is visible")
+    args.world_size = args.world_size or (2 if args.device == "cpu" else 1)
     args.steps = args.steps or (3 if args.smoke else 20)
     args.warmup = args.warmup or (2 if args.smoke else 5)
     return args
@@ -66,8 +79,14 @@ def _workloads(smoke: bool) -> list[models.Workload]:
 def _worker(rank: int, args: argparse.Namespace, init_file: str, result_file: str) -> None:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     torch.set_num_threads(1)  # the ranks share the machine's cores
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.world_size
+        _backend(args),
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=args.world_size,
     )
     results: dict[str, Any] = {}
     workloads = _workloads(args.smoke)
@@ -91,16 +110,30 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, result_file: st
         results["hooks"] = cases.case_hooks(workloads[-1], **timing)
     if "zero" in args.only:
         results["zero"] = cases.case_zero(workloads[0], **timing)
-    if "gpu" in args.only:
-        results["gpu"] = (
-            "skipped: no CUDA device on this machine"
-            if not torch.cuda.is_available()
-            else "skipped: the GPU case needs NCCL with one rank; run benchmarks/gpu.py"
-        )
+    if "anatomy" in args.only:
+        results["anatomy"] = cases.case_anatomy(workloads[-1], **timing, device=device)
+    results["gpu"] = _gpu_note(args)
     if rank == 0:
         pathlib.Path(result_file).write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _backend(args: argparse.Namespace) -> str:
+    return "nccl" if args.device == "cuda" else "gloo"
+
+
+def _gpu_note(args: argparse.Namespace) -> str:
+    if args.device == "cuda":
+        measured = "Section 6 was measured on the GPU."
+    elif torch.cuda.is_available():
+        measured = "Section 6 ran on CPU; `--device cuda` measures it on the GPU."
+    else:
+        measured = "No CUDA device in this run: section 6 ran on CPU."
+    return (
+        f"{measured} Overlap of collectives with backward compute on GPUs needs two or more "
+        "GPUs: with one GPU, NCCL has one rank and fsync issues no collective at all."
+    )
 
 
 def _environment(args: argparse.Namespace) -> dict[str, str]:
@@ -118,13 +151,17 @@ def _environment(args: argparse.Namespace) -> dict[str, str]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "fsync": fsync.__version__,
-        "backend": f"gloo on CPU, {args.world_size} ranks, 1 intra-op thread each",
+        "backend": f"{_backend(args)} on {args.device.upper()}, "
+        f"{args.world_size} rank{'s' if args.world_size > 1 else ''}, 1 intra-op thread each",
         "sizes": "smoke (tiny)" if args.smoke else "full",
     }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fsync-bench-") as tmp:
+        # An empty inductor cache, shared by the ranks: compile times are those of a
+        # first run, not of whatever an earlier run left in /tmp/torchinductor_$USER.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
         result_file = os.path.join(tmp, "results.json")
         mp.spawn(
             _worker,

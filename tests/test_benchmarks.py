@@ -32,15 +32,17 @@ def test_smoke_run_writes_every_section(tmp_path):
     md = (tmp_path / "benchmarks.md").read_text()
     for section in ("Targets", "1. Step time, MLP", "1. Step time, GPT", "1b. Overlap", "2. Sync"):
         assert f"## {section}" in md
-    for section in ("3. Leaf scaling", "4. Hooks", "5. ZeRO", "6. GPU"):
+    for section in ("3. Leaf scaling", "4. Hooks", "5. ZeRO", "6. The compiled sync", "7. GPU"):
         assert f"## {section}" in md
     for row in (
         "fsync compiled + overlap",
         "local functional eager (no sync)",
         "scaled copy + flat all-reduce (pure mean)",
         "ZeroRedundancyOptimizer + DDP",
+        "pack + unpack, compiled",
     ):
         assert f"| {row} |" in md
+    assert "pack + unpack kernels per bucket <= 2 (cpu)" in md
     assert (tmp_path / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -59,7 +61,14 @@ def test_targets_are_ratios_of_the_right_figures():
             "sync_grads compiled": 10.5,
         },
         "leaves": {"compiled": {"1": 2.0, "100": 2.2, "10000": 2.8}},
-        "gpu": "skipped: no CUDA device on this machine",
+        "anatomy": {
+            "device": "cuda:0",
+            "buckets": 4,
+            "kernels": 6,
+            "recompiles": 0,
+            "ms": {"copy of the same bytes (floor)": 4.0, "pack + unpack, compiled": 4.8},
+        },
+        "gpu": "No CUDA device in this run.",
     }
     got = {name: (measured, met) for name, measured, met in report.targets(results)}
     assert got["MLP: fsync compiled <= 0.85 x DDP eager"] == ("0.84x", True)
@@ -67,4 +76,7 @@ def test_targets_are_ratios_of_the_right_figures():
     assert got["sync only (compiled) <= 1.10 x flat all-reduce"] == ("1.05x", True)
     assert got["sync only (eager) <= 1.10 x flat all-reduce"] == ("1.20x", False)
     assert got["compiled sync of 10,000 leaves <= 1.3 x 1 leaf"] == ("1.40x", False)
-    assert got["GPU targets (kernels, bandwidth, overlap)"][1] is None
+    assert got["pack + unpack kernels per bucket <= 2 (cuda:0)"] == ("1.5", True)
+    assert got["pack + unpack >= 80% of copy bandwidth (cuda:0)"] == ("83%", True)
+    assert got["no recompile after the first step (cuda:0)"] == ("0", True)
+    assert got["compute/communication overlap on GPUs, above DDP's"] == ("not measured", None)
