@@ -10,7 +10,7 @@ from fsync import _comm
 from fsync._comm import Collective
 from fsync._hook import Hook, SyncContext, check_hook
 from fsync._plan import BucketPlan, MiB, plan_buckets
-from fsync._sync import DivideBy, check_sync_options
+from fsync._sync import DivideBy, check_sync_options, control_flags
 
 
 class SyncStats(NamedTuple):
@@ -134,8 +134,9 @@ def sync_stats(
     divisor = torch.tensor(world_size, dtype=torch.int32) if divide_by == "active" else world_size
     ctx = SyncContext(plan, dense, None, 0, world_size, divisor)
     with torch.no_grad(), _comm.recording(world_size) as calls:
-        if find_unused or divide_by == "active":
-            _control_collective(plan, find_unused)
+        if find_unused or divide_by == "active":  # GradSync's control all-reduce
+            flags = control_flags(plan.leaves, plan, active=True, find_unused=find_unused)
+            _comm.all_reduce(torch.tensor(flags, dtype=torch.int32), "sum", None)
         hook.apply(buckets, state, ctx)
     return SyncStats(
         buckets=len(dense),
@@ -144,15 +145,3 @@ def sync_stats(
         collectives=tuple(calls),
         world_size=world_size,
     )
-
-
-def _control_collective(plan: BucketPlan, find_unused: bool) -> None:
-    """Issues (to the recording) the control all-reduce a step with these options issues.
-
-    Its size mirrors ``fsync._sync._control``: one int32 flag per tensor leaf
-    when ``find_unused``, then one for the rank's ``active``.
-    ``tests/test_stats.py`` checks the two agree on a real ``GradSync`` step.
-    """
-    tensor_leaves = sum(leaf is not None for leaf in plan.leaves)
-    flags = torch.zeros((tensor_leaves if find_unused else 0) + 1, dtype=torch.int32)
-    _comm.all_reduce(flags, "sum", None)

@@ -297,6 +297,25 @@ def _as_meta(traced: _TracedMeta | None) -> TensorMeta | None:
     return TensorMeta(tuple(shape), tuple(stride), dtype, device, torch.strided, 0, requires_grad)
 
 
+def control_flags(
+    leaves: Sequence[Any], plan: BucketPlan, *, active: bool, find_unused: bool
+) -> list[int]:
+    """What a rank puts into the control all-reduce (see :func:`_control`).
+
+    One flag per tensor leaf of the plan when ``find_unused`` (1 if this rank
+    has a gradient for it), then one for ``active``. ``sync_stats`` counts the
+    same list.
+    """
+    flags = []
+    if find_unused:
+        flags = [
+            int(active and leaves[i] is not None)
+            for i, spec in enumerate(plan.leaves)
+            if spec is not None
+        ]
+    return [*flags, int(active)]
+
+
 def _control(
     leaves: Sequence[Any],
     plan: BucketPlan,
@@ -322,8 +341,7 @@ def _control(
             "(unused leaves then count as zero gradients)."
         )
     tensor_leaves = [i for i, spec in enumerate(plan.leaves) if spec is not None]
-    flags = [int(active and leaves[i] is not None) for i in tensor_leaves] if find_unused else []
-    flags.append(int(active))
+    flags = control_flags(leaves, plan, active=active, find_unused=find_unused)
     device = plan.specs[0].device if plan.specs else _comm.default_device(group)
     counts = _comm.wait(
         _comm.all_reduce(torch.tensor(flags, dtype=torch.int32, device=device), "sum", group)
