@@ -83,8 +83,9 @@ def case_step_time(
     number of collectives in the compiled code and of compute kernels launched while one
     of them is in flight (:func:`overlapped_kernels`), with and without overlap.
     """
-    # Compile each workload as a fresh process would: dynamo keys what it learns by code
-    # object, and after another model it would recompile this one with dynamic shapes.
+    # Compile each workload as a fresh process would: the steps of both workloads share
+    # code objects, and nothing dynamo learnt from the other model (such as which sizes
+    # changed, for automatic dynamic shapes) should carry over.
     torch._dynamo.reset()
     rank = dist.get_rank()
     batch = work.batch(rank)

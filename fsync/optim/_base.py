@@ -106,19 +106,21 @@ def opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def add_scaled(x: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
+def add_scaled(
+    x: torch.Tensor, y: torch.Tensor, alpha: float, *, inplace: bool = False
+) -> torch.Tensor:
     """``x + alpha * y``, as ``torch.add(x, y, alpha=alpha)`` computes it.
 
     Eagerly it is that call, so the bits are ``torch.optim``'s. Under
-    ``torch.compile`` the product is written out (which is how inductor computes
-    an ``add`` with ``alpha`` anyway): inductor's post-grad pass that fuses
-    ``add(x, mm(a, b))`` into ``addmm(x, a, b)`` ignores ``alpha``, so with a
-    gradient fresh from a matmul, as every ``nn.Linear`` weight's is, the
+    ``torch.compile`` the product is written out: inductor's post-grad pass that
+    fuses ``add(x, mm(a, b))`` into ``addmm(x, a, b)`` ignores ``alpha``, so with
+    a gradient fresh from a matmul, as every ``nn.Linear`` weight's is, the
     compiled ``torch.add(p, g, alpha=-lr)`` computes ``p + g`` (torch 2.13).
+    ``inplace=True`` writes into ``x`` (only for a tensor the caller made).
     """
-    if alpha == 1 or not torch.compiler.is_compiling():
-        return torch.add(x, y, alpha=alpha)
-    return torch.add(x, torch.mul(y, alpha))
+    if alpha != 1 and torch.compiler.is_compiling():
+        y, alpha = torch.mul(y, alpha), 1
+    return x.add_(y, alpha=alpha) if inplace else torch.add(x, y, alpha=alpha)
 
 
 def addcdiv(x: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor, value: Any) -> torch.Tensor:

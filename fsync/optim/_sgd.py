@@ -113,7 +113,7 @@ def sgd(
             if weight_decay:
                 g = add_scaled(g, p, weight_decay)
             if momentum:
-                later = add_scaled(torch.mul(buf, momentum), g, 1 - dampening)
+                later = add_scaled(torch.mul(buf, momentum), g, 1 - dampening, inplace=True)
                 buf = torch.where(first.to(g.device), g, later)
                 g = add_scaled(g, buf, momentum) if nesterov else buf
             if isinstance(neg_lr, torch.Tensor):
