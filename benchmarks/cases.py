@@ -255,7 +255,10 @@ def case_hooks(work: Workload, warmup: int, steps: int) -> dict[str, dict[str, f
         holder = {"state": sync.init(grads)}
         ms = median_ms(_stateful(sync, grads, holder), warmup=warmup, steps=steps)
         stats = fsync.sync_stats(
-            sync.plan, hook=sync.hook, state=holder["state"].hook, world_size=world_size
+            sync.plan(holder["state"]),
+            hook=sync.hook,
+            state=holder["state"].hook,
+            world_size=world_size,
         )
         out[name] = {
             "ms": ms,

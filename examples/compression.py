@@ -187,7 +187,7 @@ def train(
     )
     # The bytes of one step from the final state (PowerSGD past its warm-up, its Q warm).
     stats = fsync.sync_stats(
-        sync.plan, hook=hook, state=sync_state.hook, world_size=dist.get_world_size()
+        sync.plan(sync_state), hook=hook, state=sync_state.hook, world_size=dist.get_world_size()
     )
     return Result(name, train_loss, held_out, stats.bytes_on_wire, seconds, stats.num_collectives)
 

@@ -83,7 +83,8 @@ def report_memory(step: fsync.ops.ZeroStep, state: fsync.ops.ZeroState, params: 
     for rank, nbytes in enumerate(everyone):
         owned = ""
         if not step.shard_buckets:
-            owned = f", buckets {[b for b, r in enumerate(step.owners) if r == rank]}"
+            owners = step.layout(state).owners
+            owned = f", buckets {[b for b, r in enumerate(owners) if r == rank]}"
         print0(f"  rank {rank}: {nbytes:,} bytes ({nbytes / unsharded:.1%}{owned})")
 
 
@@ -137,7 +138,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
         f"fsync {fsync.__version__}: {describe_world()}, GPT with {model.num_params():,} "
         f"parameters, ZeRO AdamW, {mode}"
     )
-    print0(step.plan)
+    print0(step.layout(state).plan)
     report_memory(step, state, params)
 
     def train_step(
@@ -204,8 +205,7 @@ def check_checkpoint(
     checkpoint = torch.load(path, map_location="cpu")  # weights-only: fsync's states are known
     device = next(iter(params.values())).device
     loaded = {k: v.to(device) for k, v in checkpoint["params"].items()}
-    other.init(loaded)
-    other_state = other.load(checkpoint["opt"])  # this rank's part, no communication
+    other_state = other.load(loaded, checkpoint["opt"])  # this rank's part, no communication
 
     # One more step in each layout, eagerly, from the same parameters, state and gradients.
     here, _ = step(params, grads, state)

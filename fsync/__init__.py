@@ -11,14 +11,10 @@ from fsync._accumulate import accumulate
 from fsync._broadcast import broadcast, sync_buffers
 from fsync._compile import compile
 from fsync._hook import Hook, SyncContext, chain
+from fsync._options import SyncOptions
 from fsync._pack import pack, unpack
-from fsync._plan import (
-    BucketPlan,
-    BucketSpec,
-    LeafSpec,
-    compute_bucket_assignment_by_size,
-    plan_buckets,
-)
+from fsync._plan import BucketPlan, BucketSpec, LeafSpec
+from fsync._planner import compute_bucket_assignment_by_size, plan_buckets
 from fsync._stats import SyncStats, sync_stats
 from fsync._sync import GradSync, SyncState, sync_grads
 from fsync._verify import verify
@@ -32,6 +28,7 @@ __all__ = [
     "Hook",
     "LeafSpec",
     "SyncContext",
+    "SyncOptions",
     "SyncState",
     "SyncStats",
     "__version__",

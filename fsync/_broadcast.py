@@ -1,4 +1,8 @@
-"""Sending rank ``src``'s tensors to everyone: start-up state and buffers."""
+"""Sending rank ``src``'s tensors to everyone: start-up state and buffers.
+
+Owns: [fsync.broadcast][] and [fsync.sync_buffers][]. May import: every layer
+below (1 to 6) and [fsync.sync_grads][] (for the mean of float buffers).
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,15 @@ from typing import Any, Literal
 
 import torch
 
-from fsync import _comm, _pack, _tree, _verify
-from fsync._plan import VALUE_BUCKET_MB, BucketPlan, value_plan
+from fsync import _checks, _comm, _pack, _tree
+from fsync._agree import verify_plan
+from fsync._plan import BucketPlan
+from fsync._planner import VALUE_BUCKET_MB, value_plan
 from fsync._sync import sync_grads
 
 
 def _check_src(src: int, group: _comm.Group) -> None:
-    n = _comm.size(group)
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
-        raise ValueError(f"src must be a rank of the group, 0 to {n - 1}; got {src!r}.")
+    _checks.check_rank("src", src, _comm.size(group))
 
 
 def broadcast_leaves(
@@ -60,10 +64,10 @@ def broadcast(tree: Any, /, *, src: int = 0, group: _comm.Group = None) -> Any:
     """
     _comm.check_group(group)
     _check_src(src, group)
-    leaves, plan = value_plan(tree, "broadcast")
+    leaves, plan, rebuild = value_plan(tree, "broadcast")
     if not torch.compiler.is_compiling():
-        _verify.verify_plan(plan, group, what="trees passed to fsync.broadcast")
-    return _tree.unflatten(plan.structure(), broadcast_leaves(leaves, plan, src, group))
+        verify_plan(plan, group, what="trees passed to fsync.broadcast")
+    return rebuild(broadcast_leaves(leaves, plan, src, group))
 
 
 def sync_buffers(
@@ -85,7 +89,7 @@ def sync_buffers(
         buffers: A pytree of tensors, such as ``dict(model.named_buffers())``.
         mode: ``"broadcast"`` (default) or ``"mean"``.
         src: The rank within ``group`` whose values are broadcast.
-        group: As for :func:`broadcast`.
+        group: As for [broadcast][fsync.broadcast].
 
     Returns:
         A new tree like ``buffers``.
@@ -107,21 +111,18 @@ def sync_buffers(
         return broadcast(buffers, src=src, group=group)
     _comm.check_group(group)
     _check_src(src, group)
-    leaves, plan = value_plan(buffers, "sync_buffers")
+    leaves, plan, rebuild = value_plan(buffers, "sync_buffers")
     if not torch.compiler.is_compiling():
-        _verify.verify_plan(plan, group, what="trees passed to fsync.sync_buffers")
-    spec = plan.structure()
+        verify_plan(plan, group, what="trees passed to fsync.sync_buffers")
     floating = [leaf is not None and leaf.dtype.is_floating_point for leaf in leaves]
     with torch.no_grad():
         means = sync_grads(
-            _tree.unflatten(
-                spec, [x if f else None for f, x in zip(floating, leaves, strict=True)]
-            ),
+            rebuild([x if f else None for f, x in zip(floating, leaves, strict=True)]),
             group=group,
             bucket_cap_mb=VALUE_BUCKET_MB,
         )
     rest = broadcast(
-        _tree.unflatten(spec, [None if f else x for f, x in zip(floating, leaves, strict=True)]),
+        rebuild([None if f else x for f, x in zip(floating, leaves, strict=True)]),
         src=src,
         group=group,
     )
@@ -129,4 +130,4 @@ def sync_buffers(
         m if f else r
         for f, m, r in zip(floating, _tree.flatten(means)[0], _tree.flatten(rest)[0], strict=True)
     ]
-    return _tree.unflatten(spec, merged)
+    return rebuild(merged)

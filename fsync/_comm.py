@@ -4,22 +4,23 @@ Collectives go through ``torch.distributed._functional_collectives``, which run
 eagerly (returning tensors that wait on first use) and trace under
 ``torch.compile`` into c10d functional ops the compiler can schedule. A group
 is a ``ProcessGroup``, a 1-D ``DeviceMesh``, a ``(DeviceMesh, dim)`` pair or
-``None`` for the default group. With one rank no collective is issued.
+``None`` for the default group; a ``Recorder`` stands in
+for one where a sync is measured rather than run. With one rank no collective is
+issued.
+
+Owns: every call into ``torch.distributed`` and the differences between torch
+releases. May import: torch only (layer 1, the bottom of fsync).
 """
 
 from __future__ import annotations
 
-import contextlib
 import pickle
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-
-Group = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | None
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
@@ -30,7 +31,7 @@ _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduc
 
 
 class Collective(NamedTuple):
-    """One collective as :func:`recording` saw it: what this rank put on the wire."""
+    """One collective as a recorder saw it: what this rank put on the wire."""
 
     op: str
     dtype: torch.dtype
@@ -41,41 +42,36 @@ class Collective(NamedTuple):
         return self.numel * self.dtype.itemsize
 
 
-class _Recording(NamedTuple):
-    world_size: int
-    rank: int
-    calls: list[Collective]
+class Recorder:
+    """A stand-in group whose collectives are recorded instead of issued.
 
+    Pass it wherever a group goes: every fsync collective over it appends a
+    ``Collective`` to ``calls`` and returns a tensor of the right
+    shape (the input's values, repeated for an all-gather, this rank's chunk
+    for a reduce-scatter), as if on ``world_size`` ranks, so a sync runs to the
+    end without a process group. For diagnostics ([fsync.sync_stats][]), never
+    training.
 
-# A module global rather than a ContextVar: dynamo reads globals (and guards on them)
-# inside compiled code, while ContextVar.get would break the graph.
-_recording: _Recording | None = None
-
-
-@contextlib.contextmanager
-def recording(world_size: int, rank: int = 0) -> Iterator[list[Collective]]:
-    """Inside, collectives are recorded instead of issued, as if on ``world_size`` ranks.
-
-    Each returns a tensor of the right shape (the input's values, repeated for
-    an all-gather, this rank's chunk for a reduce-scatter), so a hook runs to
-    the end and the list yielded holds every collective it issued, in order.
-    Not thread-safe; for diagnostics (:func:`fsync.sync_stats`), never training.
+    Attributes:
+        world_size: The number of ranks the recorded collectives are sized for.
+        rank: The rank this process plays.
+        calls: The collectives issued so far, in order.
     """
-    global _recording
-    if _recording is not None:
-        raise RuntimeError("fsync is already recording collectives.")
-    _recording = _Recording(world_size, rank, [])
-    try:
-        yield _recording.calls
-    finally:
-        _recording = None
+
+    def __init__(self, world_size: int, rank: int = 0) -> None:
+        self.world_size = world_size
+        self.rank = rank
+        self.calls: list[Collective] = []
+
+    def record(self, op: str, x: torch.Tensor) -> None:
+        """Appends one collective of ``op`` on ``x`` to ``calls``."""
+        self.calls.append(Collective(op, x.dtype, x.numel()))
+
+    def __repr__(self) -> str:
+        return f"Recorder(world_size={self.world_size}, rank={self.rank})"
 
 
-def _record(op: str, x: torch.Tensor) -> _Recording:
-    assert _recording is not None
-    _recording.calls.append(Collective(op, x.dtype, x.numel()))
-    return _recording
-
+Group = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | Recorder | None
 
 _NOT_INITIALISED = (
     "torch.distributed is not initialised. Call torch.distributed.init_process_group() "
@@ -105,12 +101,14 @@ def check_group(group: Group) -> None:
                 "data-parallel dimension."
             )
         return
+    if isinstance(group, Recorder):
+        return
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"group is a {type(group).__name__}; expected a torch.distributed.ProcessGroup, a "
             "DeviceMesh, a (DeviceMesh, dim) pair or None for the default group."
         )
-    if _recording is None and not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(_NOT_INITIALISED)
 
 
@@ -124,8 +122,8 @@ def _funcol_group(group: Group) -> Any:
 
 def size(group: Group) -> int:
     """Number of ranks in ``group``."""
-    if _recording is not None:
-        return _recording.world_size
+    if isinstance(group, Recorder):
+        return group.world_size
     if isinstance(group, tuple):
         return group[0].size(group[1])
     if isinstance(group, DeviceMesh):
@@ -135,8 +133,8 @@ def size(group: Group) -> int:
 
 def rank(group: Group) -> int:
     """This process's rank within ``group``."""
-    if _recording is not None:
-        return _recording.rank
+    if isinstance(group, Recorder):
+        return group.rank
     if isinstance(group, tuple):
         return group[0].get_local_rank(group[1])
     if isinstance(group, DeviceMesh):
@@ -154,7 +152,7 @@ def process_group(group: Group) -> dist.ProcessGroup:
 
 
 def all_reduce(x: torch.Tensor, op: str, group: Group, *, inplace: bool = False) -> torch.Tensor:
-    """Reduces ``x`` over ``group`` with ``op``, one of :data:`REDUCE_OPS`.
+    """Reduces ``x`` over ``group`` with ``op``, one of ``REDUCE_OPS``.
 
     ``inplace=True`` lets an eager call reduce into ``x`` itself (for a tensor the
     caller owns) instead of a copy. Either way the result waits for the collective
@@ -163,8 +161,8 @@ def all_reduce(x: torch.Tensor, op: str, group: Group, *, inplace: bool = False)
     """
     if size(group) == 1:
         return x
-    if _recording is not None:
-        _record("all_reduce", x)
+    if isinstance(group, Recorder):
+        group.record("all_reduce", x)
         return x.clone()
     if inplace and not torch.compiler.is_compiling():
         name = funcol._resolve_group_name(_funcol_group(group))
@@ -180,8 +178,9 @@ def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Every rank's ``x`` concatenated along dim 0, in rank order."""
     if size(group) == 1:
         return x
-    if _recording is not None:
-        return torch.cat([x] * _record("all_gather", x).world_size)
+    if isinstance(group, Recorder):
+        group.record("all_gather", x)
+        return torch.cat([x] * group.world_size)
     gathered: torch.Tensor = _all_gather(x, 0, _funcol_group(group))
     return gathered
 
@@ -190,9 +189,9 @@ def reduce_scatter(x: torch.Tensor, op: str, group: Group) -> torch.Tensor:
     """Reduces ``x`` over ``group`` and returns this rank's chunk of dim 0."""
     if size(group) == 1:
         return x
-    if _recording is not None:
-        recorded = _record("reduce_scatter", x)
-        return x.chunk(recorded.world_size)[recorded.rank].clone()
+    if isinstance(group, Recorder):
+        group.record("reduce_scatter", x)
+        return x.chunk(group.world_size)[group.rank].clone()
     shard: torch.Tensor = _reduce_scatter(x, op, 0, _funcol_group(group))
     return shard
 
@@ -201,8 +200,8 @@ def broadcast(x: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     """Rank ``src``'s ``x`` (``src`` counted within ``group``)."""
     if size(group) == 1:
         return x
-    if _recording is not None:
-        _record("broadcast", x)
+    if isinstance(group, Recorder):
+        group.record("broadcast", x)
         return x.clone()
     received: torch.Tensor = funcol.broadcast(x, src, _funcol_group(group))
     return received
@@ -249,6 +248,8 @@ def all_gather_object(obj: Any, group: Group, device: torch.device) -> list[Any]
 
 def default_device(group: Group) -> torch.device:
     """Where small control tensors for ``group`` live (CPU for gloo, the GPU for NCCL)."""
+    if isinstance(group, Recorder):
+        return torch.device("cpu")
     backend = str(dist.get_backend(process_group(group)))
     if "gloo" in backend or not torch.cuda.is_available():
         return torch.device("cpu")

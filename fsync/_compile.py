@@ -91,7 +91,7 @@ def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs
     bucket's collective is issued as soon as its gradients exist and waited for
     only where its result is used, which lets communication run during the rest
     of the backward pass (the overlap DDP gets from autograd hooks, here from
-    the compiler). In either case a post-grad pass (:class:`ScaleBeforeConcat`)
+    the compiler). In either case a post-grad pass (``ScaleBeforeConcat``)
     moves the ``1/world_size`` scaling of each bucket into the kernel that packs
     it, so a bucket is written once instead of written and rescaled; the bits are
     the same. Everything else is ``torch.compile``; ``options=`` given here are
@@ -100,7 +100,7 @@ def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs
 
     Args:
         fn: The train step (or any function calling fsync).
-        overlap: Apply the overlap settings (:data:`OVERLAP_OPTIONS`).
+        overlap: Apply the overlap settings (``OVERLAP_OPTIONS``).
         fullgraph: As for ``torch.compile``; fsync traces without graph breaks.
         **kwargs: Passed to ``torch.compile`` (``mode``, ``dynamic``, ``options`` ...).
 

@@ -1,6 +1,6 @@
 """Hooks: what happens to the buckets between pack and unpack.
 
-A :class:`Hook` is a pair of pure functions, like an optax
+A [Hook][fsync.Hook] is a pair of pure functions, like an optax
 ``GradientTransformation``. Settings go to the factory that builds it
 (``fsync.ops.allreduce("sum")``), tensors go to its state, and the state is
 threaded through explicitly, so it can be checkpointed and traced.
@@ -22,7 +22,7 @@ class SyncContext(NamedTuple):
 
     Attributes:
         plan: The bucket plan of the tree being synced.
-        buckets: One :class:`BucketSpec` per dense buffer the hook receives, in
+        buckets: One [BucketSpec][fsync.BucketSpec] per dense buffer the hook receives, in
             the same order (sparse buckets are reduced by fsync itself and never
             reach a hook).
         group: The group to communicate over; pass it to the collectives.
@@ -30,7 +30,7 @@ class SyncContext(NamedTuple):
         world_size: Number of ranks in ``group``.
         divisor: What a mean divides by: ``world_size`` (an int), or, when
             ranks without data join a sync, the number of contributing ranks
-            (a 0-d tensor). Use :meth:`divide` rather than reading it.
+            (a 0-d tensor). Use ``divide`` rather than reading it.
         scatter: ``True`` when the caller (the ZeRO step) needs only this rank's
             shard of each reduced bucket. A hook may then return, per bucket,
             either the whole reduced bucket or this rank's shard of it: the
@@ -39,7 +39,7 @@ class SyncContext(NamedTuple):
             (what ``ops.allreduce`` returns, by a reduce-scatter).
         owned: ``True`` when the buffers passed to ``apply`` are new tensors that
             nothing else holds, so ``apply`` may write its result into them (the
-            first hook of a sync gets the packed buckets; :func:`chain` passes
+            first hook of a sync gets the packed buckets; [chain][fsync.chain] passes
             ``False`` to the hooks after the first). Eagerly this saves a copy per
             bucket; under ``torch.compile`` the compiler reuses buffers anyway.
     """
@@ -81,15 +81,15 @@ class Hook(NamedTuple):
     """A bucket transformation: ``init(plan) -> state`` and ``apply(buckets, state, ctx)``.
 
     Both are pure functions, like the two halves of an optax
-    ``GradientTransformation``; :func:`chain` composes hooks.
+    ``GradientTransformation``; [chain][fsync.chain] composes hooks.
 
     Attributes:
         init: ``init(plan) -> state``: the initial state for a
-            :class:`BucketPlan`, a pytree of tensors, ``()`` when the hook keeps
+            [BucketPlan][fsync.BucketPlan], a pytree of tensors, ``()`` when the hook keeps
             none.
         apply: ``apply(buckets, state, ctx) -> (buckets, state)``: receives one
-            flat 1-D tensor per dense bucket (see :attr:`SyncContext.buckets`),
-            the state and a :class:`SyncContext`, and returns as many tensors of
+            flat 1-D tensor per dense bucket (see [SyncContext.buckets][fsync.SyncContext.buckets]),
+            the state and a [SyncContext][fsync.SyncContext], and returns as many tensors of
             the same sizes and dtypes, plus its new state. It must not modify
             its inputs in place (unless ``ctx.owned`` allows it).
 
@@ -106,7 +106,7 @@ class Hook(NamedTuple):
 
 
 def check_hook(hook: Any, /) -> Hook:
-    """Returns ``hook`` if it looks like a :class:`Hook`, else raises ``TypeError``."""
+    """Returns ``hook`` if it looks like a [Hook][fsync.Hook], else raises ``TypeError``."""
     if not (callable(getattr(hook, "init", None)) and callable(getattr(hook, "apply", None))):
         raise TypeError(
             f"hook is a {type(hook).__name__}; expected an fsync.Hook(init, apply), such as "
@@ -124,7 +124,7 @@ def chain(*hooks: Hook) -> Hook:
         *hooks: The hooks, applied first to last.
 
     Returns:
-        A :class:`Hook`.
+        A [Hook][fsync.Hook].
 
     Example:
         >>> import fsync

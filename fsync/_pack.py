@@ -1,9 +1,12 @@
-"""Flat bucket buffers from a tree's leaves and back, following a :class:`BucketPlan`.
+"""Flat bucket buffers from a tree's leaves and back, following a [BucketPlan][fsync.BucketPlan].
 
 Like ``optree``'s ``tree_ravel``: a flat tensor per bucket plus the plan to go
 back, and a loud check both ways. Under ``torch.compile`` the concatenation of
 a bucket (with any cast or scale around it) becomes one fused kernel and the
 unpacked leaves are views of the buffer.
+
+Owns: moving leaves into flat buffers and back, and cutting buffers into shards.
+May import: ``_tree``, ``_plan``, ``_checks``, ``_planner`` (layers 1 to 4).
 """
 
 from __future__ import annotations
@@ -15,55 +18,9 @@ from typing import Any
 import torch
 
 from fsync import _tree
-from fsync._plan import BucketPlan, BucketSpec, LeafSpec, TensorMeta, count, tensor_meta
-
-_DIFFERENT_TREE = (
-    "{what} does not match the plan: {detail}. Pass the tree the plan was built for "
-    "(same structure, shapes and dtypes), or build a new plan with fsync.plan_buckets."
-)
-
-
-def mismatch(what: str, detail: str) -> ValueError:
-    return ValueError(_DIFFERENT_TREE.format(what=what, detail=detail))
-
-
-def check_leaves(leaves: Sequence[Any], treespec: Any, plan: BucketPlan, what: str) -> None:
-    """Raises ``ValueError``/``TypeError`` unless ``leaves`` fit ``plan``.
-
-    A ``None`` leaf is accepted where the plan has a tensor (an unused
-    parameter); a tensor where the plan has ``None`` is not.
-    """
-    if treespec != plan.structure():
-        raise mismatch(
-            what,
-            f"its structure is {treespec} but the plan's is {plan.treespec}",
-        )
-    for leaf, spec in zip(leaves, plan.leaves, strict=True):
-        if leaf is None:
-            continue
-        if spec is None:
-            raise mismatch(what, "it holds a tensor where the plan's tree holds None")
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(
-                f"{what} leaf {spec.path!r} is a {type(leaf).__name__}; expected a torch.Tensor "
-                "or None."
-            )
-        check_leaf_meta(spec, tensor_meta(leaf), what)
-
-
-def check_leaf_meta(spec: LeafSpec, meta: TensorMeta, what: str) -> None:
-    """Raises ``ValueError`` unless a tensor with metadata ``meta`` fits ``spec``."""
-    if meta.shape != spec.shape or meta.dtype != spec.dtype:
-        raise mismatch(
-            what,
-            f"leaf {spec.path!r} has shape {meta.shape} and dtype {meta.dtype}, "
-            f"expected shape {spec.shape} and dtype {spec.dtype}",
-        )
-    if meta.device != spec.device:
-        raise mismatch(what, f"leaf {spec.path!r} is on {meta.device}, expected {spec.device}")
-    if meta.sparse_dim != spec.sparse_dim:
-        kind = f"sparse with {spec.sparse_dim} sparse dims" if spec.sparse else "dense"
-        raise mismatch(what, f"leaf {spec.path!r} should be {kind}")
+from fsync._checks import check_buffers
+from fsync._plan import BucketPlan, BucketSpec, LeafSpec
+from fsync._planner import empty_sparse, fit_tree
 
 
 def flat(leaf: torch.Tensor | None, spec: LeafSpec, dtype: torch.dtype) -> torch.Tensor:
@@ -91,13 +48,7 @@ def _pack_bucket(
         leaf, leaf_spec_ = leaves[i], plan.leaves[i]
         assert leaf_spec_ is not None
         if leaf is None:
-            dense_shape = leaf_spec_.shape[leaf_spec_.sparse_dim :]
-            return torch.sparse_coo_tensor(
-                torch.zeros(leaf_spec_.sparse_dim, 0, dtype=torch.int64, device=spec.device),
-                torch.zeros(0, *dense_shape, dtype=spec.dtype, device=spec.device),
-                leaf_spec_.shape,
-                check_invariants=True,
-            ).coalesce()
+            return empty_sparse(leaf_spec_.shape, leaf_spec_.sparse_dim, spec.dtype, spec.device)
         return leaf.coalesce()
     parts = []
     for i, layout in zip(spec.leaves, spec.layouts, strict=True):
@@ -157,14 +108,14 @@ def pack(tree: Any, plan: BucketPlan, /) -> list[torch.Tensor]:
     """Packs the leaves of ``tree`` into one flat 1-D buffer per bucket of ``plan``.
 
     Each leaf is laid out in its own memory order (a channels_last leaf as
-    NHWC), so :func:`unpack` can give it back with the same strides, and cast
+    NHWC), so [unpack][fsync.unpack] can give it back with the same strides, and cast
     to the bucket's dtype (the plan's ``reduce_dtype``, if any). A ``None``
     leaf where the plan expects a tensor (an unused parameter) packs as zeros.
     A sparse bucket's "buffer" is the coalesced sparse tensor itself.
 
     Args:
         tree: A tree with the plan's structure, leaf shapes and dtypes.
-        plan: The :class:`BucketPlan` built for such a tree.
+        plan: The [BucketPlan][fsync.BucketPlan] built for such a tree.
 
     Returns:
         One new tensor per bucket, in the plan's communication order. The
@@ -181,41 +132,7 @@ def pack(tree: Any, plan: BucketPlan, /) -> list[torch.Tensor]:
         >>> fsync.pack(tree, plan)
         [tensor([0., 0., 1., 1., 1., 1.])]
     """
-    leaves, treespec = _tree.flatten(tree)
-    check_leaves(leaves, treespec, plan, "tree")
-    return pack_leaves(leaves, plan)
-
-
-def check_buffers(
-    buffers: Sequence[torch.Tensor], specs: Sequence[BucketSpec], plan: BucketPlan, what: str
-) -> None:
-    """Raises unless ``buffers`` fit ``specs`` (a plan's buckets or its dense ones)."""
-    if len(buffers) != len(specs):
-        raise ValueError(
-            f"{what}: got {count(len(buffers), 'buffer')} for {count(len(specs), 'bucket')}; "
-            "expected exactly one buffer per bucket, in the plan's order."
-        )
-    for b, (buffer, spec) in enumerate(zip(buffers, specs, strict=True)):
-        if not isinstance(buffer, torch.Tensor):
-            raise TypeError(f"{what}: buffer {b} is a {type(buffer).__name__}; expected a tensor.")
-        if spec.sparse:
-            leaf = plan.leaves[spec.leaves[0]]
-            assert leaf is not None
-            ok = buffer.layout == torch.sparse_coo and tuple(buffer.shape) == leaf.shape
-            expected = f"a sparse tensor of shape {leaf.shape}"
-        else:
-            ok = buffer.layout == torch.strided and tuple(buffer.shape) == (spec.numel,)
-            expected = f"a dense 1-D tensor of {spec.numel} elements"
-        if not ok:
-            raise ValueError(
-                f"{what}: buffer {b} has shape {tuple(buffer.shape)} and layout "
-                f"{buffer.layout}; expected {expected}."
-            )
-        if buffer.dtype != spec.dtype or buffer.device != spec.device:
-            raise ValueError(
-                f"{what}: buffer {b} is {buffer.dtype} on {buffer.device}; expected "
-                f"{spec.dtype} on {spec.device}."
-            )
+    return pack_leaves(fit_tree(tree, plan, what="tree").leaves, plan)
 
 
 def unpack_leaves(buffers: Sequence[torch.Tensor], plan: BucketPlan) -> list[torch.Tensor | None]:
@@ -239,14 +156,14 @@ def unpack_leaves(buffers: Sequence[torch.Tensor], plan: BucketPlan) -> list[tor
 
 
 def unpack(buffers: Sequence[torch.Tensor], plan: BucketPlan, /) -> Any:
-    """Inverse of :func:`pack`: a tree with the plan's structure from its buffers.
+    """Inverse of [pack][fsync.pack]: a tree with the plan's structure from its buffers.
 
     Every leaf comes back with its shape, dtype and memory layout (a
     channels_last leaf is channels_last again), as a view of its buffer unless
     the plan reduces in another dtype; the plan's ``None`` leaves stay ``None``.
 
     Args:
-        buffers: One tensor per bucket, as :func:`pack` (or a hook) returned them.
+        buffers: One tensor per bucket, as [pack][fsync.pack] (or a hook) returned them.
         plan: The plan the buffers were packed with.
 
     Returns:
@@ -279,6 +196,6 @@ def pad_to_shards(buffer: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 def shard_of(buffer: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's shard of a 1-D buffer padded as by :func:`pad_to_shards` (a view)."""
+    """This rank's shard of a 1-D buffer padded as by ``pad_to_shards`` (a view)."""
     n = shard_numel(buffer.numel(), world_size)
     return pad_to_shards(buffer, world_size)[rank * n : (rank + 1) * n]

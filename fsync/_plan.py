@@ -30,7 +30,7 @@ class LeafSpec(NamedTuple):
     """Metadata of one leaf: everything the plan needs, nothing about values.
 
     Buckets store each leaf in its memory order (``perm``), so a leaf comes back
-    from :func:`fsync.unpack` with the layout it went in with, as DDP's bucket
+    from [fsync.unpack][] with the layout it went in with, as DDP's bucket
     views keep the parameter's strides.
 
     Attributes:
@@ -149,7 +149,7 @@ class TensorMeta(NamedTuple):
 
 
 def tensor_meta(tensor: torch.Tensor, /) -> TensorMeta:
-    """The :class:`TensorMeta` of ``tensor``."""
+    """The ``TensorMeta`` of ``tensor``."""
     sparse = tensor.layout == torch.sparse_coo
     return TensorMeta(
         tuple(tensor.shape),
@@ -163,7 +163,7 @@ def tensor_meta(tensor: torch.Tensor, /) -> TensorMeta:
 
 
 def leaf_spec(path: str, meta: TensorMeta, /) -> LeafSpec:
-    """The :class:`LeafSpec` of a tensor with metadata ``meta`` found at ``path``."""
+    """The [LeafSpec][fsync.LeafSpec] of a tensor with metadata ``meta`` found at ``path``."""
     if meta.layout == torch.sparse_coo:
         if meta.sparse_dim == 0:
             raise TypeError(
@@ -180,19 +180,6 @@ def leaf_spec(path: str, meta: TensorMeta, /) -> LeafSpec:
     # order, which leaves the element order unchanged.
     perm = tuple(sorted(range(len(meta.shape)), key=lambda d: (-strides[d], d)))
     return LeafSpec(path, meta.shape, meta.dtype, meta.device, perm)
-
-
-def _check_limits(size_limits: Sequence[int]) -> tuple[int, ...]:
-    limits = tuple(size_limits)
-    if not limits:
-        raise ValueError("size_limits is empty; expected at least one bucket size in bytes.")
-    for limit in limits:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(
-                f"size_limits must hold non-negative integers (bytes); got {limit!r} "
-                f"in {list(limits)!r}."
-            )
-    return limits
 
 
 def assign(
@@ -225,51 +212,6 @@ def assign(
     return sorted(closed, key=lambda bucket: bucket[0])
 
 
-def compute_bucket_assignment_by_size(
-    tensors: Sequence[torch.Tensor], size_limits: Sequence[int], /
-) -> list[list[int]]:
-    """Assigns tensors to buckets exactly as DDP's Reducer does.
-
-    Tensors are taken in the given order and accumulate per (dtype, device); a
-    bucket closes once its bytes reach the current size limit, after which that
-    (dtype, device) moves on to the next limit (staying on the last one). Sparse
-    tensors get a bucket of their own. Buckets come back sorted by the smallest
-    index they hold. For dense tensors the result equals
-    ``torch.distributed._compute_bucket_assignment_by_size(tensors, size_limits)[0]``.
-
-    Args:
-        tensors: The tensors to assign; only their metadata is read.
-        size_limits: Bucket size limits in bytes, used in turn per (dtype, device).
-
-    Returns:
-        A list of buckets, each a list of indices into ``tensors``. An empty
-        input gives an empty list.
-
-    Raises:
-        TypeError: An element of ``tensors`` is not a tensor.
-        ValueError: ``size_limits`` is empty or holds a negative or non-integer value.
-
-    Example:
-        >>> import torch, fsync
-        >>> f32, f64 = torch.float32, torch.float64
-        >>> sizes = [(50, f32), (100, f64), (300, f32), (10, f32)]
-        >>> tensors = [torch.zeros(n, dtype=dtype) for n, dtype in sizes]
-        >>> fsync.compute_bucket_assignment_by_size(tensors, [400, 2000])
-        [[0, 2], [1], [3]]
-    """
-    limits = _check_limits(size_limits)
-    for i, tensor in enumerate(tensors):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"tensors[{i}] is a {type(tensor).__name__}; expected a torch.Tensor.")
-    buckets = assign(
-        [(t.dtype, t.device) for t in tensors],
-        [t.numel() * t.element_size() for t in tensors],
-        [t.layout == torch.sparse_coo for t in tensors],
-        limits,
-    )
-    return [list(bucket) for bucket in buckets]
-
-
 def count(n: int, noun: str, plural: str | None = None) -> str:
     """``"1 bucket"``, ``"3 buckets"``."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
@@ -279,19 +221,19 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
 class BucketPlan:
     """Which leaves of a tree go into which flat bucket, in communication order.
 
-    Build one with :func:`plan_buckets`. A plan is a frozen value: hashable,
+    Build one with [plan_buckets][fsync.plan_buckets]. A plan is a frozen value: hashable,
     comparable, and the same on every rank that holds the same tree (the device
-    index aside, which :attr:`fingerprint` ignores). ``print(plan)`` shows a table.
+    index aside, which ``fingerprint`` ignores). ``print(plan)`` shows a table.
 
     Attributes:
         treespec: The structure of the tree, ``None`` leaves included.
-        leaves: One :class:`LeafSpec` per leaf in flatten order, ``None`` for a
+        leaves: One [LeafSpec][fsync.LeafSpec] per leaf in flatten order, ``None`` for a
             ``None`` leaf (which belongs to no bucket).
         buckets: Per bucket, in communication order, the indices of its leaves
             in the order they sit in the buffer.
         reduce_dtype: If set, the dtype of every floating point bucket (the
-            leaves are cast to it in :func:`fsync.pack` and back in
-            :func:`fsync.unpack`); ``None`` keeps each leaf's own dtype.
+            leaves are cast to it in [fsync.pack][] and back in
+            [fsync.unpack][]); ``None`` keeps each leaf's own dtype.
     """
 
     treespec: optree.PyTreeSpec
@@ -299,14 +241,11 @@ class BucketPlan:
     buckets: tuple[tuple[int, ...], ...]
     reduce_dtype: torch.dtype | None = None
     specs: tuple[BucketSpec, ...] = dataclasses.field(init=False, repr=False, compare=False)
-    """One :class:`BucketSpec` per bucket, in communication order (derived, not compared)."""
+    """One [fsync.BucketSpec][] per bucket, in communication order (derived, not compared)."""
     skeleton: Any = dataclasses.field(init=False, repr=False, compare=False)
-    """The tree with each leaf replaced by its index; see :meth:`structure`."""
-    dict_keys: tuple[Any, ...] | None = dataclasses.field(init=False, repr=False, compare=False)
-    """The keys, if the tree is a plain dict of leaves (the usual parameter dict)."""
+    """The tree with each leaf replaced by its index; see ``structure``."""
 
     def __post_init__(self) -> None:
-        check_reduce_dtype(self.reduce_dtype)
         if self.treespec.num_leaves != len(self.leaves):
             raise ValueError(
                 f"the tree has {self.treespec.num_leaves} leaves but {len(self.leaves)} leaf specs "
@@ -331,14 +270,13 @@ class BucketPlan:
         object.__setattr__(
             self, "skeleton", _tree.unflatten(self.treespec, range(len(self.leaves)))
         )
-        object.__setattr__(self, "dict_keys", _flat_dict_keys(self.treespec))
 
     def structure(self) -> optree.PyTreeSpec:
         """The tree structure, in a form the running code can use.
 
         Inside ``torch.compile``, dynamo replaces optree's C++ ``PyTreeSpec``
         with a Python one and cannot use a C++ spec made outside the trace; the
-        structure is then rebuilt from :attr:`skeleton`, a constant it can flatten.
+        structure is then rebuilt from ``skeleton``, a constant it can flatten.
         """
         if torch.compiler.is_compiling():
             return _tree.structure(self.skeleton)
@@ -403,37 +341,7 @@ class BucketPlan:
         )
 
     def __str__(self) -> str:
-        rows = [("bucket", "leaves", "dtype", "device", "MiB", "first leaf .. last leaf")]
-        for b, spec in enumerate(self.specs):
-            first, last = self.leaves[spec.leaves[0]], self.leaves[spec.leaves[-1]]
-            assert first is not None and last is not None
-            span = first.path if first is last else f"{first.path} .. {last.path}"
-            kind = " (sparse)" if spec.sparse else ""
-            rows.append(
-                (
-                    str(b),
-                    str(len(spec.leaves)),
-                    str(spec.dtype).removeprefix("torch.") + kind,
-                    str(spec.device),
-                    f"{spec.nbytes / MiB:.3f}",
-                    span,
-                )
-            )
-        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-        right = {0, 1, 4}
-        reduced = "" if self.reduce_dtype is None else f", reduced in {self.reduce_dtype}"
-        leaves = count(sum(len(b) for b in self.buckets), "tensor leaf", "tensor leaves")
-        lines = [
-            f"BucketPlan: {leaves} in {count(len(self.buckets), 'bucket')}, "
-            f"{sum(self.nbytes) / MiB:.3f} MiB{reduced}"
-        ]
-        for row in rows:
-            cells = [
-                cell.rjust(widths[c]) if c in right else cell.ljust(widths[c])
-                for c, cell in enumerate(row)
-            ]
-            lines.append("  ".join(cells).rstrip())
-        return "\n".join(lines)
+        return plan_table(self)
 
 
 def _layout(leaf: LeafSpec, dtype: torch.dtype) -> LeafLayout:
@@ -449,25 +357,6 @@ def _layout(leaf: LeafSpec, dtype: torch.dtype) -> LeafLayout:
     )
 
 
-def _flat_dict_keys(treespec: optree.PyTreeSpec) -> tuple[Any, ...] | None:
-    if torch.compiler.is_compiling() or treespec.type is not dict:
-        return None  # a plan traced inside torch.compile keeps to the generic path
-    if all(child.is_leaf() for child in treespec.children()):
-        return tuple(treespec.entries())
-    return None
-
-
-def check_reduce_dtype(reduce_dtype: torch.dtype | None) -> None:
-    """Raises ``TypeError`` unless ``reduce_dtype`` is ``None`` or a floating point dtype."""
-    if reduce_dtype is not None and not (
-        isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point
-    ):
-        raise TypeError(
-            f"reduce_dtype must be None or a floating point torch.dtype such as torch.float32 "
-            f"or torch.bfloat16; got {reduce_dtype!r}."
-        )
-
-
 def buffer_dtype(leaf: LeafSpec, reduce_dtype: torch.dtype | None, /) -> torch.dtype:
     """The dtype ``leaf`` travels in: ``reduce_dtype`` for dense floating leaves if set."""
     if reduce_dtype is not None and leaf.dtype.is_floating_point and not leaf.sparse:
@@ -479,80 +368,6 @@ def leaf_key(leaf: LeafSpec, /) -> str:
     """What must agree about a leaf across ranks for their buckets to line up."""
     order = tuple(d for d in leaf.perm if leaf.shape[d] != 1)
     return f"{leaf.path}|{leaf.shape}|{leaf.dtype}|{leaf.device.type}|{order}|{leaf.sparse_dim}"
-
-
-def check_bucket_options(bucket_cap_mb: float, first_bucket_mb: float) -> None:
-    """Raises unless ``bucket_cap_mb > 0`` and ``first_bucket_mb >= 0``, both finite numbers."""
-    for name, value, allow_zero in (
-        ("bucket_cap_mb", bucket_cap_mb, False),
-        ("first_bucket_mb", first_bucket_mb, True),
-    ):
-        bound = "non-negative" if allow_zero else "positive"
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            # Comparisons rather than math.isfinite: under torch.compile a float that
-            # changed between calls arrives symbolic, and comparisons on it trace.
-            or value != value  # NaN
-            or value in (math.inf, -math.inf)
-            or value < 0
-            or (value == 0 and not allow_zero)
-        ):
-            raise ValueError(f"{name} must be a finite {bound} number of MiB; got {value!r}.")
-
-
-def _order(order: Order, tensor_leaves: list[int], n: int) -> list[int]:
-    if isinstance(order, str):
-        if order == "reverse":
-            return tensor_leaves[::-1]
-        if order == "forward":
-            return tensor_leaves
-        raise ValueError(
-            f"order must be 'reverse', 'forward' or a sequence of leaf indices; got {order!r}."
-        )
-    indices = list(order)
-    if any(isinstance(i, bool) or not isinstance(i, int) for i in indices) or sorted(
-        indices
-    ) != sorted(tensor_leaves):
-        raise ValueError(
-            f"order must list each of the tree's {len(tensor_leaves)} tensor leaves exactly once "
-            f"(indices into the {n} flattened leaves, None leaves left out); got {indices!r}."
-        )
-    return indices
-
-
-def plan_from_specs(
-    treespec: optree.PyTreeSpec,
-    leaves: Sequence[LeafSpec | None],
-    /,
-    *,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
-    order: Order = "reverse",
-    reduce_dtype: torch.dtype | None = None,
-) -> BucketPlan:
-    """:func:`plan_buckets` over leaf specs already taken from a tree."""
-    check_bucket_options(bucket_cap_mb, first_bucket_mb)
-    check_reduce_dtype(reduce_dtype)
-    sequence, columns = assignment_columns(leaves, order, reduce_dtype)
-    assigned = assign(*columns, size_limits(bucket_cap_mb, first_bucket_mb))
-    return BucketPlan(treespec, tuple(leaves), in_leaf_indices(assigned, sequence), reduce_dtype)
-
-
-Columns = tuple[tuple[Any, ...], tuple[int, ...], tuple[bool, ...]]
-
-
-def assignment_columns(
-    leaves: Sequence[LeafSpec | None], order: Order, reduce_dtype: torch.dtype | None
-) -> tuple[list[int], Columns]:
-    """The leaves in assignment order and their (key, bytes, sparse) columns for ``_assign``."""
-    tensor_leaves = [i for i, leaf in enumerate(leaves) if leaf is not None]
-    sequence = _order(order, tensor_leaves, len(leaves))
-    specs: list[LeafSpec] = [leaves[i] for i in sequence]  # type: ignore[misc]
-    dtypes = [buffer_dtype(s, reduce_dtype) for s in specs]
-    keys = tuple((dtype, s.device) for dtype, s in zip(dtypes, specs, strict=True))
-    nbytes = tuple(s.numel * dtype.itemsize for dtype, s in zip(dtypes, specs, strict=True))
-    return sequence, (keys, nbytes, tuple(s.sparse for s in specs))
 
 
 def size_limits(bucket_cap_mb: float, first_bucket_mb: float) -> list[int]:
@@ -567,100 +382,36 @@ def in_leaf_indices(
     return tuple(tuple(sequence[k] for k in bucket) for bucket in assigned)
 
 
-def leaf_specs(
-    tree: Any, /, what: str = "tree"
-) -> tuple[optree.PyTreeSpec, list[Any], list[LeafSpec | None]]:
-    """Flattens ``tree`` into (structure, leaves, leaf specs), rejecting non-tensor leaves."""
-    paths, leaves, treespec = _tree.flatten_with_paths(tree)
-    specs: list[LeafSpec | None] = []
-    for path, leaf in zip(paths, leaves, strict=True):
-        if leaf is None:
-            specs.append(None)
-        elif isinstance(leaf, torch.Tensor):
-            specs.append(leaf_spec(path, tensor_meta(leaf)))
-        else:
-            raise TypeError(
-                f"{what} leaf {path!r} is a {type(leaf).__name__}; expected a torch.Tensor or "
-                "None. Keep only tensors in the tree (move settings and Python numbers out of it)."
+def plan_table(plan: BucketPlan, /) -> str:
+    """The table ``print(plan)`` shows: one row per bucket."""
+    rows = [("bucket", "leaves", "dtype", "device", "MiB", "first leaf .. last leaf")]
+    for b, spec in enumerate(plan.specs):
+        first, last = plan.leaves[spec.leaves[0]], plan.leaves[spec.leaves[-1]]
+        assert first is not None and last is not None
+        span = first.path if first is last else f"{first.path} .. {last.path}"
+        kind = " (sparse)" if spec.sparse else ""
+        rows.append(
+            (
+                str(b),
+                str(len(spec.leaves)),
+                str(spec.dtype).removeprefix("torch.") + kind,
+                str(spec.device),
+                f"{spec.nbytes / MiB:.3f}",
+                span,
             )
-    return treespec, leaves, specs
-
-
-def plan_buckets(
-    tree: Any,
-    /,
-    *,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
-    order: Order = "reverse",
-    reduce_dtype: torch.dtype | None = None,
-) -> BucketPlan:
-    """Plans the buckets for a tree of tensors, as DDP's Reducer would.
-
-    Leaves are taken in ``order`` and assigned with
-    :func:`compute_bucket_assignment_by_size` under the limits
-    ``[first_bucket_mb, bucket_cap_mb]`` MiB. The default ``"reverse"`` order
-    gives the buckets DDP builds after its first iteration when gradients arrive
-    in reverse definition order: a small first bucket holding the last layers,
-    then buckets of ``bucket_cap_mb``. Only leaf metadata is read.
-
-    Args:
-        tree: A pytree of tensors (parameters or gradients); ``None`` leaves
-            are kept in the structure and belong to no bucket. Dict keys keep
-            their insertion order, as ``named_parameters()`` yields them.
-        bucket_cap_mb: Size limit of every bucket after the first, in MiB.
-        first_bucket_mb: Size limit of the first bucket, in MiB. DDP uses 1 MiB
-            with the default cap and the cap itself when ``bucket_cap_mb`` is set.
-        order: ``"reverse"`` (default), ``"forward"`` or an explicit sequence
-            of the tensor leaves' indices in flatten order.
-        reduce_dtype: Reduce floating point leaves in this dtype (buckets are
-            then grouped and sized by it); ``None`` keeps each leaf's dtype.
-
-    Returns:
-        The frozen :class:`BucketPlan`.
-
-    Raises:
-        TypeError: A leaf is neither a tensor nor ``None``, or ``reduce_dtype``
-            is not a floating point dtype.
-        ValueError: A size is not a finite positive number, or ``order`` is not a
-            permutation of the tensor leaves.
-
-    Example:
-        >>> import torch, fsync
-        >>> params = {"w": torch.zeros(256, 256), "b": torch.zeros(256)}
-        >>> plan = fsync.plan_buckets(params, bucket_cap_mb=0.25, first_bucket_mb=0.25)
-        >>> plan.buckets, plan.nbytes
-        (((1, 0),), (263168,))
-    """
-    treespec, _, specs = leaf_specs(tree)
-    return plan_from_specs(
-        treespec,
-        specs,
-        bucket_cap_mb=bucket_cap_mb,
-        first_bucket_mb=first_bucket_mb,
-        order=order,
-        reduce_dtype=reduce_dtype,
-    )
-
-
-# DDP broadcasts module state in 250 MiB buckets.
-VALUE_BUCKET_MB = 250.0
-
-
-def value_plan(tree: Any, what: str) -> tuple[list[Any], BucketPlan]:
-    """Leaves and a forward-order plan of large buckets, for moving or comparing values."""
-    treespec, leaves, specs = leaf_specs(tree, what=what)
-    for spec in specs:
-        if spec is not None and spec.sparse:
-            raise TypeError(
-                f"{what} leaf {spec.path!r} is sparse; only dense tensors are supported here. "
-                "Call .to_dense() on it first."
-            )
-    plan = plan_from_specs(
-        treespec,
-        specs,
-        bucket_cap_mb=VALUE_BUCKET_MB,
-        first_bucket_mb=VALUE_BUCKET_MB,
-        order="forward",
-    )
-    return leaves, plan
+        )
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    right = {0, 1, 4}
+    reduced = "" if plan.reduce_dtype is None else f", reduced in {plan.reduce_dtype}"
+    leaves = count(sum(len(b) for b in plan.buckets), "tensor leaf", "tensor leaves")
+    lines = [
+        f"BucketPlan: {leaves} in {count(len(plan.buckets), 'bucket')}, "
+        f"{sum(plan.nbytes) / MiB:.3f} MiB{reduced}"
+    ]
+    for row in rows:
+        cells = [
+            cell.rjust(widths[c]) if c in right else cell.ljust(widths[c])
+            for c, cell in enumerate(row)
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)

@@ -7,12 +7,6 @@ import torch
 from fsync import _comm
 from fsync._hook import SyncContext
 
-SPARSE_UNDER_COMPILE = (
-    "sparse gradient {path!r} cannot be synced inside torch.compile: the all-gather of its "
-    "indices has a size known only at run time. Sync sparse gradients eagerly (call "
-    "sync_grads outside the compiled function), or use nn.Embedding(sparse=False)."
-)
-
 
 def sparse_mean(x: torch.Tensor, ctx: SyncContext) -> torch.Tensor:
     """The mean over ``ctx.group`` of a sparse COO tensor, as DDP computes it.

@@ -1,4 +1,11 @@
-"""What a sync puts on the wire, measured by running its hook with recorded collectives."""
+"""What a sync puts on the wire, measured by running it with recorded collectives.
+
+[fsync.sync_stats][] calls the one reduce that every sync calls, over a
+``Recorder`` group instead of a process group, so it counts
+what the real path issues, control collective included.
+
+Owns: [fsync.SyncStats][]. May import: every layer below (1 to 6).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +15,11 @@ import torch
 
 from fsync import _comm
 from fsync._comm import Collective
-from fsync._hook import Hook, SyncContext, check_hook
-from fsync._plan import BucketPlan, MiB, plan_buckets
-from fsync._sync import DivideBy, check_sync_options, control_flags
+from fsync._hook import Hook
+from fsync._options import DivideBy, SyncOptions
+from fsync._plan import BucketPlan, MiB
+from fsync._planner import plan_tree
+from fsync._reduce import init_hook, reduce_buckets
 
 
 class SyncStats(NamedTuple):
@@ -76,32 +85,32 @@ def sync_stats(
     so the numbers are those of the real code path, for any hook, your own
     included. Needs no process group. Sparse buckets, reduced by fsync itself
     with data-dependent sizes, are left out. The options are those of
-    :class:`GradSync` that change what goes on the wire.
+    [GradSync][fsync.GradSync] that change what goes on the wire.
 
     Args:
         tree: A tree like the gradients (only metadata is read), or a
-            :class:`BucketPlan`.
+            [BucketPlan][fsync.BucketPlan].
         hook: The hook to measure; default ``fsync.ops.allreduce()``.
         state: The hook state to measure from (e.g. a PowerSGD state after its
             warm-up); default ``hook.init(plan)``.
         world_size: The number of ranks to measure for.
-        bucket_cap_mb: As for :func:`fsync.plan_buckets`, when ``tree`` is a tree.
-        first_bucket_mb: As for :func:`fsync.plan_buckets`, when ``tree`` is a tree.
-        reduce_dtype: As for :func:`fsync.plan_buckets`, when ``tree`` is a tree
+        bucket_cap_mb: As for [fsync.plan_buckets][], when ``tree`` is a tree.
+        first_bucket_mb: As for [fsync.plan_buckets][], when ``tree`` is a tree.
+        reduce_dtype: As for [fsync.plan_buckets][], when ``tree`` is a tree
             (a plan carries its own).
-        find_unused: As for :class:`GradSync`: counts its control all-reduce,
+        find_unused: As for [GradSync][fsync.GradSync]: counts its control all-reduce,
             one int32 per tensor leaf and one more, issued before the buckets.
-        divide_by: As for :class:`GradSync`: ``"active"`` counts a control
+        divide_by: As for [GradSync][fsync.GradSync]: ``"active"`` counts a control
             all-reduce of one int32 (unless ``find_unused`` already issues one).
 
     Returns:
-        The :class:`SyncStats`.
+        The [SyncStats][fsync.SyncStats].
 
     Raises:
         ValueError: ``world_size`` is not a positive int or ``divide_by`` is
             neither ``"world"`` nor ``"active"``.
         TypeError: ``find_unused`` is not a bool, ``reduce_dtype`` is not a
-            floating point dtype, or ``hook`` is not a :class:`Hook`.
+            floating point dtype, or ``hook`` is not a [Hook][fsync.Hook].
 
     Example:
         >>> import torch, fsync
@@ -111,37 +120,42 @@ def sync_stats(
         >>> fsync.sync_stats({"w": torch.zeros(1024, 256)}, find_unused=True).collectives[0]
         Collective(op='all_reduce', dtype=torch.int32, numel=2)
     """
-    from fsync.ops._allreduce import allreduce
-
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int; got {world_size!r}.")
-    check_sync_options(divide_by=divide_by, find_unused=find_unused)
-    hook = check_hook(allreduce() if hook is None else hook)
-    plan = (
-        tree
-        if isinstance(tree, BucketPlan)
-        else plan_buckets(
-            tree,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_mb=first_bucket_mb,
-            reduce_dtype=reduce_dtype,
-        )
+    options = SyncOptions(
+        hook=hook,
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_mb=first_bucket_mb,
+        reduce_dtype=reduce_dtype,
+        find_unused=find_unused,
+        divide_by=divide_by,
     )
-    dense = tuple(spec for spec in plan.specs if not spec.sparse)
-    buckets = [torch.zeros(s.numel, dtype=s.dtype, device=s.device) for s in dense]
-    state = hook.init(plan) if state is None else state
-    # As GradSync's step: the divisor is a tensor when it counts the active ranks.
-    divisor = torch.tensor(world_size, dtype=torch.int32) if divide_by == "active" else world_size
-    ctx = SyncContext(plan, dense, None, 0, world_size, divisor)
-    with torch.no_grad(), _comm.recording(world_size) as calls:
-        if find_unused or divide_by == "active":  # GradSync's control all-reduce
-            flags = control_flags(plan.leaves, plan, active=True, find_unused=find_unused)
-            _comm.all_reduce(torch.tensor(flags, dtype=torch.int32), "sum", None)
-        hook.apply(buckets, state, ctx)
+    plan = tree if isinstance(tree, BucketPlan) else plan_tree(tree, options.plan, what="tree").plan
+    dense = [spec for spec in plan.specs if not spec.sparse]
+    if len(dense) < len(plan.specs):  # sparse buckets send data-dependent sizes: left out
+        plan = BucketPlan(
+            plan.treespec,
+            tuple(None if leaf is None or leaf.sparse else leaf for leaf in plan.leaves),
+            tuple(spec.leaves for spec in dense),
+            plan.reduce_dtype,
+        )
+    leaves = [
+        None if spec is None else torch.zeros(spec.shape, dtype=spec.dtype, device=spec.device)
+        for spec in plan.leaves
+    ]
+    recorder = _comm.Recorder(world_size)
+    with torch.no_grad():
+        reduce_buckets(
+            leaves,
+            plan,
+            options,
+            init_hook(options, plan) if state is None else state,
+            recorder,
+        )
     return SyncStats(
         buckets=len(dense),
         bytes_reduced=sum(s.nbytes for s in dense),
-        bytes_on_wire=sum(c.nbytes for c in calls),
-        collectives=tuple(calls),
+        bytes_on_wire=sum(c.nbytes for c in recorder.calls),
+        collectives=tuple(recorder.calls),
         world_size=world_size,
     )

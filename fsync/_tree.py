@@ -56,7 +56,7 @@ def flat_dict(tree: Any, /) -> tuple[tuple[Any, ...], list[Any]] | None:
 
 
 def flatten_with_paths(tree: Any, /) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
-    """Like :func:`flatten`, with a readable path string per leaf."""
+    """Like ``flatten``, with a readable path string per leaf."""
     paths, leaves, spec = optree.tree_flatten_with_path(
         tree, none_is_leaf=True, namespace=NAMESPACE
     )
@@ -64,12 +64,12 @@ def flatten_with_paths(tree: Any, /) -> tuple[list[str], list[Any], optree.PyTre
 
 
 def structure(tree: Any, /) -> optree.PyTreeSpec:
-    """The structure :func:`flatten` would give ``tree``."""
+    """The structure ``flatten`` would give ``tree``."""
     return optree.tree_structure(tree, none_is_leaf=True, namespace=NAMESPACE)
 
 
 def unflatten(spec: optree.PyTreeSpec, leaves: Any, /) -> Any:
-    """Inverse of :func:`flatten`."""
+    """Inverse of ``flatten``."""
     return optree.tree_unflatten(spec, leaves)
 
 

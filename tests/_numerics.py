@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -50,3 +52,47 @@ def assert_same_as_ddp(
     bound = summation_bound(parts, world_size, divisor)
     diff = (synced - ddp).abs()
     assert torch.all(diff <= bound), (name, diff.max(), bound.max())
+
+
+def gamma(k: int, dtype: torch.dtype = torch.float32) -> float:
+    """Higham's gamma_k = k * eps / (1 - k * eps): what k roundings in ``dtype`` may add, relative.
+
+    Written with eps (twice the unit roundoff u), so also a bound where Higham's gamma~_k
+    = c * k * u / (1 - c * k * u) hides a small constant c <= 2.
+    """
+    eps = torch.finfo(dtype).eps
+    assert k * eps < 1, k
+    return k * eps / (1 - k * eps)
+
+
+def powersgd_full_rank_bound(
+    norm: float, rows: int, cols: int, world_size: int, dtype: torch.dtype = torch.float32
+) -> float:
+    """How far full-rank PowerSGD's ``P Q^T`` may be from the mean of the matrices it compresses.
+
+    ``norm`` is the mean over ranks of ||M_i||_F (or a bound on it, such as ||g_i|| + ||e_i||),
+    M_i the rows x cols matrix rank i compresses: a leaf's, or batched, the whole
+    side x side square of its bucket (padding included), its error feedback added.
+    With r = min(rows, cols) columns, P spans M's columns (r = cols) or is square
+    (r = rows), so P P^T M = M but for rounding. Normwise, to first order (the eps
+    in gamma, twice u, leaves room for the rest), k = max(rows, cols):
+
+    - P = sum_i M_i Q: gamma_cols * sqrt(r) (|M| |Q| with ||Q||_F = sqrt(r)), and
+      (W - 1) * eps for the sum over ranks;
+    - Householder QR of P (Higham, ASNA 2nd ed., Thm 19.4 and the explicit Q
+      after it): backward error gamma_{rows*cols} (k * r = rows * cols), and
+      columns within sqrt(r) * gamma_{rows*cols} of orthonormal, twice that in P P^T;
+    - Q = sum_i (M_i^T P) / W: gamma_rows * sqrt(r), and W * eps for 1/W and the sum;
+    - P Q^T: gamma_r * sqrt(r);
+    - error feedback, x = g + e and e = x - P Q^T: one rounding each, eps.
+
+    Gram-Schmidt (r <= 2) is a normalisation for r = 1, within the QR terms; for
+    r = 2 its loss of orthogonality grows with P's condition number: no a-priori
+    bound, so r = 2 is refused.
+    """
+    r = min(rows, cols)
+    assert r != 2, "Gram-Schmidt on two columns: the error depends on P's conditioning"
+    eps = torch.finfo(dtype).eps
+    matmuls = math.sqrt(r) * (gamma(cols, dtype) + gamma(rows, dtype) + gamma(r, dtype))
+    qr = (1 + 2 * math.sqrt(r)) * gamma(rows * cols, dtype)
+    return norm * (matmuls + qr + 2 * world_size * eps)

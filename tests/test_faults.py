@@ -47,7 +47,7 @@ def _on_rank_one_stops_after_steps(mode):
     sync = fsync.GradSync(bucket_cap_mb=1e-4, first_bucket_mb=1e-4)  # two buckets
     grads = {"w": torch.ones(64), "b": torch.ones(32)}
     state = sync.init(grads)
-    assert len(sync.plan.buckets) == 2
+    assert len(sync.plan(state).buckets) == 2
     for _ in range(3):  # the steady state: bucket all-reduces only, no check
         out, state = sync(grads, state)
         assert torch.equal(out["w"], grads["w"])
@@ -132,7 +132,8 @@ def _assert_untouched(tree, sums):
             assert saved is None
             continue
         value, stride, ptr, version = saved
-        assert torch.equal(x, value) and x.stride() == stride and x.data_ptr() == ptr
+        same = x.shape == value.shape if x.is_meta else torch.equal(x, value)
+        assert same and x.stride() == stride and x.data_ptr() == ptr
         assert x._version == version  # not even written with the same values
 
 

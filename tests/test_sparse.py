@@ -54,8 +54,17 @@ def _on_rank_sparse():
     empty = {**grads, "emb.weight": None} if rank == 0 else grads
     out, _ = sync(empty, state)
     kept = {**dense, "emb.weight": torch.zeros(20, 4)} if rank == 0 else dense
-    expected_emb = torch.stack(gathered(kept)["emb.weight"]).sum(0) / dist.get_world_size()
-    torch.testing.assert_close(out["emb.weight"].to_dense(), expected_emb, rtol=0, atol=1e-7)
+    emb_parts = gathered(kept)["emb.weight"]
+    world_size = dist.get_world_size()
+    expected_emb = torch.stack(emb_parts).sum(0) / world_size
+    # A row's d occurrences on a rank are summed (coalesce here, to_dense there, maybe in
+    # other orders: d - 1 roundings each), divided by W (1) and summed over ranks (W - 1):
+    # within (d + W - 1) * eps * sum|rank sums| / W of each other, all occurrences of a row
+    # on a rank being the same vector (the embedding's gradient is fc's column sum / 3).
+    d = tokens.numel()
+    terms = torch.stack([p.abs() for p in emb_parts]).sum(0) / world_size
+    diff = (out["emb.weight"].to_dense() - expected_emb).abs()
+    assert torch.all(diff <= (d + world_size - 1) * torch.finfo(diff.dtype).eps * terms), diff.max()
 
     # Sparse leaves sync eagerly only: torch.compile itself refuses sparse tensors, and
     # a plan with a sparse leaf used in a trace (no sparse input) gets fsync's error.

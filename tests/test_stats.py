@@ -96,12 +96,13 @@ def test_stats_match_a_recorded_gradsync_step(single_rank, options):
     """sync_stats counts what GradSync really issues (its control collective included)."""
     params = {**_tree(), "frozen": None}
     grads = {**params, "b": None}  # unused on this rank
-    sync = fsync.GradSync(**options)
-    with fsync._comm.recording(3) as calls:
-        state = sync.init(params)
-        start = len(calls)  # after init's plan check
-        sync(grads, state)
-    assert fsync.sync_stats(params, world_size=3, **options).collectives == tuple(calls[start:])
+    recorder = fsync._comm.Recorder(3)
+    sync = fsync.GradSync(group=recorder, **options)
+    state = sync.init(params)
+    start = len(recorder.calls)  # after init's plan check
+    sync(grads, state)
+    stats = fsync.sync_stats(params, world_size=3, **options)
+    assert stats.collectives == tuple(recorder.calls[start:])
 
 
 def test_option_errors():
@@ -114,5 +115,5 @@ def test_option_errors():
 def test_plan_is_logged_at_debug(single_rank, caplog):
     with caplog.at_level(logging.DEBUG, logger="fsync"):
         fsync.GradSync().init({"w": torch.zeros(4)})
-    assert "GradSync.init planned 1 bucket:" in caplog.text
+    assert "fsync planned 1 bucket for tree:" in caplog.text
     assert "BucketPlan: 1 tensor leaf in 1 bucket" in caplog.text

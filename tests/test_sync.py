@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
-from fsync import _sync
+from fsync import _planner
 from tests._models import func_loss, params_of, ref_batch, ref_loss, ref_model
 from tests._numerics import gathered, summation_bound
 from tests._world import World
@@ -47,8 +47,8 @@ def _on_rank_ddp_parity(cap):
     synced = fsync.sync_grads(grads, **options)
     # Laid out as DDP's rebuilt buckets, the all-reduces are the same calls on the same
     # bytes, so results match DDP bit for bit on any world size.
-    same_layout = fsync.GradSync()
-    state = same_layout.init(fsync.plan_buckets(params_of(model), order=ddp_order, **options))
+    same_layout = fsync.GradSync(order=ddp_order, **options)
+    state = same_layout.init(params_of(model))
     synced_ddp_layout, _ = same_layout(grads, state)
 
     bound = {n: summation_bound(parts, world_size) for n, parts in gathered(grads).items()}
@@ -214,19 +214,21 @@ def _on_rank_gradsync():
     model = ref_model()
     params = params_of(model)
     sync = fsync.GradSync(bucket_cap_mb=0.001, first_bucket_mb=0.001)
-    with pytest.raises(RuntimeError, match=r"no plan yet; call \.init\(params\) first"):
-        sync.plan  # noqa: B018
     state = sync.init(params)
-    assert sync.plan == fsync.plan_buckets(params, bucket_cap_mb=0.001, first_bucket_mb=0.001)
-    assert state.hook == () and int(state.fingerprint) == sync.plan.fingerprint
+    plan = sync.plan(state)
+    assert plan == fsync.plan_buckets(params, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+    assert state.hook == () and int(state.fingerprint) == plan.fingerprint
     grads = torch.func.grad(func_loss(model))(params, ref_batch(rank))
     out, state2 = sync(grads, state)
     ref = fsync.sync_grads(grads, bucket_cap_mb=0.001, first_bucket_mb=0.001)
     assert all(torch.equal(out[k], ref[k]) for k in ref)
     assert torch.equal(state2.fingerprint, state.fingerprint)
 
-    other = fsync.GradSync().init({"x": torch.zeros(3)})
+    # A state made with other options for the same tree, or for another tree.
     with pytest.raises(ValueError, match="state belongs to another plan"):
+        sync(grads, fsync.GradSync().init(params))
+    other = fsync.GradSync().init({"x": torch.zeros(3)})
+    with pytest.raises(ValueError, match="grads does not match the plan: its structure is"):
         sync(grads, other)
     with pytest.raises(TypeError, match="expected the SyncState"):
         sync(grads, ())
@@ -236,8 +238,8 @@ def _on_rank_gradsync():
         sync({**grads, "fc.bias": torch.zeros(3)}, state)
     with pytest.raises(ValueError, match="grads does not match the plan: its structure is"):
         sync({k: v for k, v in grads.items() if k != "head.bias"}, state)
-    with pytest.raises(ValueError, match="initialised for another tree"):
-        sync.init({"x": torch.zeros(3)})
+    # The object keeps settings only: it plans any tree, each state its own.
+    assert sync.plan(sync.init({"x": torch.zeros(3)})).num_leaves == 1
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)
@@ -331,14 +333,15 @@ def test_trees_that_differ_between_ranks(world: World, kind):
 
 
 def _on_rank_plan_cache():
-    _sync._PLANS.clear()
+    _planner._cached_plan.cache_clear()
     grads = {"w": torch.ones(4, 3), "b": torch.ones(4)}
     for _ in range(3):
         fsync.sync_grads(grads)
         fsync.sync_grads({"w": torch.randn(4, 3), "b": torch.randn(4)})
-    assert (_sync._PLANS.misses, _sync._PLANS.hits) == (1, 5)
+    info = _planner._cached_plan.cache_info()
+    assert (info.misses, info.hits) == (1, 5)
     fsync.sync_grads(grads, bucket_cap_mb=1.0)
-    assert _sync._PLANS.misses == 2
+    assert _planner._cached_plan.cache_info().misses == 2
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)
@@ -408,12 +411,14 @@ def test_world_size_one_issues_no_collective(world: World):
         ops = {name: _functional_ops(names) for name, names in per_rank.items()}
         # One bucket: one all-reduce per steady-state sync (in place, the sync owning its
         # buffers), after a control all-reduce for divide_by="active" or find_unused (whose
-        # GradSync.init checks the plan with an all-gather first).
+        # GradSync.init checks the plan with an all-gather first). sync_grads, which keeps
+        # nothing between calls, checks its plan with that all-gather on every eager call.
         reduce, control, check = (
             "_c10d_functional::all_reduce_",
             "_c10d_functional::all_reduce",
             "_c10d_functional::all_gather_into_tensor",
         )
-        assert ops["sync_grads"] == ops["GradSync"] == [reduce]
-        assert ops["inactive"] == [control, reduce]
+        assert ops["GradSync"] == [reduce]
+        assert ops["sync_grads"] == [check, reduce]
+        assert ops["inactive"] == [check, control, reduce]
         assert ops["find_unused"] == [check, control, reduce]

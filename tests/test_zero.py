@@ -72,7 +72,7 @@ def _on_rank_parity(shard_buckets):
     params = params_of(model)
     step = fsync.ops.zero(fsync.optim.adamw(**ADAMW), shard_buckets=shard_buckets, **SMALL)
     state = step.init(params)
-    assert len(step.plan.buckets) == 3
+    assert len(step.layout(state).plan.buckets) == 3
 
     # Reference 1: torch.optim.AdamW fed the exact mean of every rank's gradients.
     ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
@@ -107,8 +107,8 @@ def _on_rank_parity(shard_buckets):
     return {
         "local": _nbytes(state.opt),
         "full": _nbytes(full),
-        "owners": step.owners,
-        "bucket_numels": [spec.numel for spec in step.plan.specs],
+        "owners": step.layout(state).owners,
+        "bucket_numels": [spec.numel for spec in step.layout(state).plan.specs],
     }
 
 
@@ -187,8 +187,7 @@ def _on_rank_resume(path, shard_buckets):
     checkpoint = torch.load(path)  # weights_only: fsync's state classes are registered
     params = checkpoint["params"]
     step = _zero_step(shard_buckets)
-    step.init(params)
-    state = step.load(checkpoint["opt"])
+    state = step.load(params, checkpoint["opt"])
     for s in range(CKPT_STEPS[0], sum(CKPT_STEPS)):
         params, state = step(params, _exact_grads(params, s, rank), state)
     return params, fsync.ops.zero_state_dict(state, step)
@@ -308,7 +307,7 @@ def _on_rank_bf16_compress(shard_buckets):
         **SMALL,
     )
     state = step.init(params)
-    numels = [spec.numel for spec in step.plan.specs]
+    numels = [spec.numel for spec in step.layout(state).plan.specs]
     if shard_buckets:  # gradients reduce-scattered (padded to W shards), shards gathered
         padded = [world_size * shard_numel(n, world_size) for n in numels]
         grads_sent = [("reduce_scatter", torch.bfloat16, n) for n in padded]
@@ -380,13 +379,15 @@ def _on_rank_errors():
     params = {"w": torch.ones(4, 3), "b": torch.zeros(4)}
     grads = {"w": torch.ones(4, 3), "b": torch.ones(4)}
     step = fsync.ops.zero(fsync.optim.adam(0.1))
-    with pytest.raises(RuntimeError, match=r"no plan yet; call \.init\(params\) first"):
+    with pytest.raises(TypeError, match=r"expected the ZeroState returned by ZeroStep\.init"):
         step(params, grads, None)
     state = step.init(params)
 
-    other = fsync.ops.zero(fsync.optim.adam(0.1))
+    other = fsync.ops.zero(fsync.optim.adam(0.1), bucket_cap_mb=1e-5, first_bucket_mb=1e-5)
     with pytest.raises(ValueError, match="state belongs to another plan"):
-        step(params, grads, other.init({"x": torch.ones(3)}))
+        step(params, grads, other.init(params))
+    with pytest.raises(ValueError, match="params does not match the plan: its structure is"):
+        step(params, grads, step.init({"x": torch.ones(3)}))
     owned = fsync.ops.zero(fsync.optim.adam(0.1), shard_buckets=False)
     with pytest.raises(ValueError, match="made with shard_buckets=False but this step has"):
         step(params, grads, owned.init(params))
@@ -406,8 +407,8 @@ def _on_rank_errors():
         step(params, {**grads, "w": torch.ones(4, 3, requires_grad=True)}, state)
     with pytest.raises(ValueError, match=r"params leaf 'b' is None, but the plan holds"):
         step({**params, "b": None}, grads, state)
-    with pytest.raises(ValueError, match="initialised for another parameter tree"):
-        step.init({"x": torch.ones(3)})
+    # The step keeps settings only: another tree gets its own state, with its own plan.
+    assert step.layout(step.init({"x": torch.ones(3)})).plan.num_leaves == 1
     with pytest.raises(TypeError, match=r"params leaf 'n' has dtype torch.int64; the ZeRO step"):
         fsync.ops.zero(fsync.optim.sgd(0.1)).init({**params, "n": torch.ones(2).long()})
     with pytest.raises(TypeError, match=r"expected an fsync.optim.Optimizer"):
@@ -421,10 +422,10 @@ def _on_rank_errors():
     full = fsync.optim.adam(0.1).init(params)  # a full state, made without ZeRO
     wrong = full._replace(exp_avg={**full.exp_avg, "w": torch.zeros(3, 4)})
     with pytest.raises(ValueError, match=r"full_state.exp_avg\['w'\] has shape \(3, 4\)"):
-        step.load(wrong)
+        step.load(params, wrong)
     with pytest.raises(ValueError, match="full_state has structure"):
-        step.load(fsync.optim.sgd(0.1, momentum=0.9).init(params))
-    assert torch.equal(step.load(full).opt.exp_avg[0], torch.zeros(8))  # 16 elements / 2
+        step.load(params, fsync.optim.sgd(0.1, momentum=0.9).init(params))
+    assert torch.equal(step.load(params, full).opt.exp_avg[0], torch.zeros(8))  # 16 / 2
 
     # Trees that differ across ranks: every rank raises the same error at init.
     mine = {"w": torch.ones(4, 3 + rank), "b": torch.zeros(4)}
@@ -478,7 +479,7 @@ def _on_rank_compiled(shard_buckets):
         for n in graphs[-1].graph.nodes
         if n.op == "call_function" and "c10d" in str(n.target)
     ]
-    n_buckets = len(step.plan.buckets)
+    n_buckets = len(step.layout(eager_state).plan.buckets)
     count = {
         kind: sum(kind in c for c in collectives)
         for kind in ("reduce_scatter", "all_gather", "all_reduce", "broadcast")

@@ -1,11 +1,13 @@
-"""Hooks for :func:`fsync.sync_grads` and :class:`fsync.GradSync`, and the ZeRO step."""
+"""Hooks for [fsync.sync_grads][] and [fsync.GradSync][], and the ZeRO step (re-exported)."""
 
+# The ZeRO step lives beside the sync (fsync/_zero.py), not among the hooks; it is
+# re-exported here, where users have always found it.
+from fsync._zero import ZeroState, ZeroStep, zero, zero_state_dict
 from fsync.ops._allreduce import allreduce
 from fsync.ops._compress import bf16_compress, fp16_compress
 from fsync.ops._noop import noop
 from fsync.ops._powersgd import PowerSGDState, batched_powersgd, powersgd
 from fsync.ops._quantize import quantize
-from fsync.ops._zero import ZeroState, ZeroStep, zero, zero_state_dict
 
 __all__ = [
     "PowerSGDState",

@@ -25,7 +25,7 @@ def allreduce(op: Literal["mean", "sum"] = "mean") -> Hook:
         op: ``"mean"`` (default) or ``"sum"``.
 
     Returns:
-        A stateless :class:`fsync.Hook`.
+        A stateless [fsync.Hook][].
 
     Raises:
         ValueError: ``op`` is neither ``"mean"`` nor ``"sum"``.

@@ -14,22 +14,18 @@ from typing import Any
 
 import torch
 
+from fsync._checks import check_floating
 from fsync._hook import Buckets, Hook, SyncContext, check_hook
-from fsync._plan import BucketPlan
+from fsync._plan import BucketPlan, BucketSpec
 from fsync.ops._allreduce import allreduce
-from fsync.ops._checks import check_floating
 
 
+@functools.lru_cache(maxsize=32)
 def _cast_plan(plan: BucketPlan, dtype: torch.dtype) -> BucketPlan:
     leaves = tuple(
         leaf if leaf is None or leaf.sparse else leaf._replace(dtype=dtype) for leaf in plan.leaves
     )
-    # plan.structure(), not plan.treespec: this may run inside torch.compile.
-    return BucketPlan(plan.structure(), leaves, plan.buckets)
-
-
-# Eager steps reuse the cast plan (and so its cached fingerprint) instead of rebuilding it.
-_cached_cast_plan = functools.lru_cache(maxsize=32)(_cast_plan)
+    return BucketPlan(plan.treespec, leaves, plan.buckets)
 
 
 def cast_plan(plan: BucketPlan, dtype: torch.dtype) -> BucketPlan:
@@ -37,10 +33,15 @@ def cast_plan(plan: BucketPlan, dtype: torch.dtype) -> BucketPlan:
 
     The buckets keep their leaves, order and offsets; only the dtype changes, so
     a hook running inside a cast sees a plan that describes the buffers it gets.
+    Eagerly the cast plan is cached (and so its fingerprint, which stateful inner
+    hooks compare). Inside ``torch.compile`` no plan can be built (its tree
+    structure is no constant there) and the plan is handed on as it is: what a
+    hook reads of it in a trace (leaf shapes, paths, layouts) does not depend on
+    the dtype, and the buffers' dtypes are in ``ctx.buckets``.
     """
-    if torch.compiler.is_compiling():  # traced once: the plan becomes constants
-        return _cast_plan(plan, dtype)
-    return _cached_cast_plan(plan, dtype)
+    if torch.compiler.is_compiling():
+        return plan
+    return _cast_plan(plan, dtype)
 
 
 def _compress(name: str, dtype: torch.dtype, inner: Hook | None) -> Hook:
@@ -54,7 +55,13 @@ def _compress(name: str, dtype: torch.dtype, inner: Hook | None) -> Hook:
         check_floating(name, ctx.plan, ctx.buckets)
         inner_ctx = ctx._replace(
             plan=cast_plan(ctx.plan, dtype),
-            buckets=tuple(spec._replace(dtype=dtype) for spec in ctx.buckets),
+            # Built field by field: dynamo cannot trace NamedTuple._replace on a constant.
+            buckets=tuple(
+                BucketSpec(
+                    s.leaves, s.offsets, s.sizes, s.numel, dtype, s.device, s.sparse, s.layouts
+                )
+                for s in ctx.buckets
+            ),
             # The cast makes new tensors, which the inner hook may overwrite.
             owned=ctx.owned or all(spec.dtype != dtype for spec in ctx.buckets),
         )
@@ -82,7 +89,7 @@ def fp16_compress(inner: Hook | None = None) -> Hook:
             ``fsync.ops.allreduce("mean")``.
 
     Returns:
-        A :class:`fsync.Hook` whose state is ``inner``'s.
+        A [fsync.Hook][] whose state is ``inner``'s.
 
     Raises:
         TypeError: ``inner`` is not a hook; at ``init``/``apply``: a bucket is
@@ -100,7 +107,7 @@ def fp16_compress(inner: Hook | None = None) -> Hook:
 def bf16_compress(inner: Hook | None = None) -> Hook:
     """Communicates in bfloat16: casts each bucket down, runs ``inner``, casts back.
 
-    The bfloat16 form of :func:`fp16_compress` (DDP's ``bf16_compress_hook``
+    The bfloat16 form of [fp16_compress][fsync.ops.fp16_compress] (DDP's ``bf16_compress_hook``
     and ``bf16_compress_wrapper``): the range of float32 with 8 bits of
     mantissa, so large gradients do not overflow. Unlike DDP's, it runs on any
     backend that all-reduces bfloat16 (gloo included). Bytes on the wire: half
@@ -111,7 +118,7 @@ def bf16_compress(inner: Hook | None = None) -> Hook:
             ``fsync.ops.allreduce("mean")``.
 
     Returns:
-        A :class:`fsync.Hook` whose state is ``inner``'s.
+        A [fsync.Hook][] whose state is ``inner``'s.
 
     Raises:
         TypeError: ``inner`` is not a hook; at ``init``/``apply``: a bucket is

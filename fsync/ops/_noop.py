@@ -16,7 +16,7 @@ def noop() -> Hook:
     parallel (ranks drift apart). Bytes on the wire: none.
 
     Returns:
-        A stateless :class:`fsync.Hook`.
+        A stateless [fsync.Hook][].
 
     Example:
         >>> import torch, fsync

@@ -3,7 +3,7 @@
 The semantics are those of DDP's ``powerSGD_hook`` and ``batched_powerSGD_hook``;
 what differs is where things live. Settings go to the factory, and every
 tensor the algorithm carries from one step to the next (the step counter, the
-error-feedback buffers, the warm-start Q matrices) is in :class:`PowerSGDState`,
+error-feedback buffers, the warm-start Q matrices) is in [PowerSGDState][fsync.ops.PowerSGDState],
 a NamedTuple that can be checkpointed, loaded with ``torch.load`` and traced.
 
 Per dense bucket and step, once ``step >= start_step``:
@@ -31,10 +31,10 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from fsync import _comm
+from fsync._checks import check_floating
 from fsync._hook import Buckets, Hook, SyncContext
 from fsync._plan import BucketPlan, BucketSpec
 from fsync._serialization import register_state
-from fsync.ops._checks import check_floating
 
 _MASK32 = 0xFFFFFFFF
 
@@ -69,7 +69,7 @@ class _Segment(NamedTuple):
     numel: int
     compressed: bool
     position: int
-    """Offset among the compressed elements (see :class:`_Layout`) or among the rest."""
+    """Offset among the compressed elements (see ``_Layout``) or among the rest."""
 
 
 class _Group(NamedTuple):
@@ -118,7 +118,7 @@ class _Layout(NamedTuple):
         return x, torch.cat(rest) if rest else bucket.new_zeros(0)
 
     def join(self, compressed: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`split`: the bucket from its two parts."""
+        """Inverse of ``split``: the bucket from its two parts."""
         return torch.cat(
             [
                 (compressed if s.compressed else rest)[s.position : s.position + s.numel]
@@ -314,16 +314,15 @@ def _powersgd(
     orthogonalization_epsilon: float,
     seed: int,
 ) -> Hook:
-    """The hook shared by :func:`powersgd` and :func:`batched_powersgd`."""
-
-    def layouts(plan: BucketPlan, specs: Sequence[BucketSpec]) -> list[_Layout]:
-        return [layout_of(plan, spec) for spec in specs]
+    """The hook shared by [fsync.ops.powersgd][] and [fsync.ops.batched_powersgd][]."""
 
     def init(plan: BucketPlan) -> PowerSGDState:
         specs = _dense(plan.specs)
         check_floating(name, plan, specs)
         error, q = [], []
-        for b, (spec, layout) in enumerate(zip(specs, layouts(plan, specs), strict=True)):
+        for b, (spec, layout) in enumerate(
+            zip(specs, [layout_of(plan, s) for s in specs], strict=True)
+        ):
             zeros = torch.zeros(
                 layout.compressed_numel if error_feedback else 0,
                 dtype=spec.dtype,
@@ -399,7 +398,7 @@ def _powersgd(
         buckets: Buckets, state: PowerSGDState, ctx: SyncContext
     ) -> tuple[Buckets, PowerSGDState]:
         check_floating(name, ctx.plan, ctx.buckets)
-        plan_layouts = layouts(ctx.plan, ctx.buckets)
+        plan_layouts = [layout_of(ctx.plan, s) for s in ctx.buckets]
         check_state(state, ctx, plan_layouts)
         n = len(buckets)
 
@@ -524,7 +523,7 @@ def powersgd(
     the same collective as its Ps. The first ``start_step`` syncs are plain
     all-reduces; unlike DDP, which rebuilds its buckets after the first step,
     fsync's plan is fixed, so ``start_step`` may be 0 or 1. Keep the state in a
-    :class:`fsync.GradSync`.
+    [fsync.GradSync][].
 
     Bytes on the wire per step, relative to all-reduce:
     ``(sum of (rows + cols) * r over compressed leaves + numel of the others) /
@@ -553,7 +552,7 @@ def powersgd(
         seed: Seeds the random Q, identically on every rank.
 
     Returns:
-        A :class:`fsync.Hook` whose state is a :class:`PowerSGDState`.
+        A [fsync.Hook][] whose state is a [PowerSGDState][fsync.ops.PowerSGDState].
 
     Raises:
         TypeError: An integer setting is not an int; at ``init``/``apply``: a
@@ -600,7 +599,7 @@ def batched_powersgd(
 
     Each bucket, zero-padded to ``side * side`` elements with
     ``side = ceil(sqrt(numel))``, is compressed as one square matrix at rank
-    ``r = min(rank, side)``. Faster than :func:`powersgd` (one small matmul per
+    ``r = min(rank, side)``. Faster than [powersgd][fsync.ops.powersgd] (one small matmul per
     bucket) but usually less accurate, since the square ignores the leaves'
     rows and columns; DDP advises it only where rank 1 is good enough. Unlike
     DDP, a bucket is left uncompressed when compression would not divide its
@@ -624,7 +623,7 @@ def batched_powersgd(
         seed: Seeds the random Q, identically on every rank.
 
     Returns:
-        A :class:`fsync.Hook` whose state is a :class:`PowerSGDState`.
+        A [fsync.Hook][] whose state is a [PowerSGDState][fsync.ops.PowerSGDState].
 
     Raises:
         TypeError: An integer setting is not an int; at ``init``/``apply``: a

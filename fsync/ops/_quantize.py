@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from fsync import _comm
+from fsync._checks import check_floating
 from fsync._hook import Buckets, Hook, SyncContext
-from fsync.ops._checks import check_floating
 
 BITS = (1, 2, 4, 8)
 # The observer's floor on the scale, so that a constant bucket does not divide by zero.
@@ -89,7 +89,7 @@ def quantize(bits: int = 8, *, per_channel: bool = False, channel_size: int = 51
         channel_size: Elements per channel (DDP's ``bucket_size``, 512).
 
     Returns:
-        A stateless :class:`fsync.Hook`.
+        A stateless [fsync.Hook][].
 
     Raises:
         ValueError: ``bits`` is not 1, 2, 4 or 8, or ``channel_size < 1``;

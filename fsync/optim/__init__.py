@@ -1,7 +1,7 @@
 """Pure functional optimizers: ``init(params) -> state``, ``update(params, grads, state)``.
 
 They match ``torch.optim`` operation by operation and run on any pytree of
-tensors, the flat shards of :func:`fsync.ops.zero` included.
+tensors, the flat shards of [fsync.ops.zero][] included.
 """
 
 from fsync.optim._adam import AdamState, adam, adamw

@@ -26,7 +26,7 @@ from fsync.optim._base import (
 
 @register_state
 class AdamState(NamedTuple):
-    """The state of :func:`adam` and :func:`adamw`.
+    """The state of [adam][fsync.optim.adam] and [adamw][fsync.optim.adamw].
 
     Attributes:
         step: 0-d int64 CPU tensor, the number of updates made so far.
@@ -130,7 +130,7 @@ def adam(
         weight_decay: L2 penalty added to the gradient.
 
     Returns:
-        An :class:`Optimizer` whose state is an :class:`AdamState`.
+        An [Optimizer][fsync.optim.Optimizer] whose state is an [AdamState][fsync.optim.AdamState].
 
     Raises:
         ValueError: A hyper-parameter is out of range.
@@ -155,7 +155,7 @@ def adamw(
 ) -> Optimizer:
     """AdamW (Adam with decoupled weight decay), numerically ``torch.optim.AdamW``.
 
-    As :func:`adam`, except that the weight decay shrinks the parameter,
+    As [adam][fsync.optim.adam], except that the weight decay shrinks the parameter,
     ``p *= 1 - lr * weight_decay``, before the moment update instead of being
     added to the gradient.
 
@@ -168,7 +168,7 @@ def adamw(
         weight_decay: Decoupled weight decay coefficient.
 
     Returns:
-        An :class:`Optimizer` whose state is an :class:`AdamState`.
+        An [Optimizer][fsync.optim.Optimizer] whose state is an [AdamState][fsync.optim.AdamState].
 
     Raises:
         ValueError: A hyper-parameter is out of range.

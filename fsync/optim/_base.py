@@ -1,6 +1,6 @@
 """The functional optimizer pair and what every optimizer shares.
 
-An :class:`Optimizer` is ``init(params) -> state`` and
+An [Optimizer][fsync.optim.Optimizer] is ``init(params) -> state`` and
 ``update(params, grads, state) -> (params, state)``, both pure. A state is a
 NamedTuple of a step counter (a 0-d int64 tensor) and trees shaped like the
 parameters. Nothing is updated in place: the new parameters and state are new
@@ -40,7 +40,7 @@ class Optimizer(NamedTuple):
 
     Attributes:
         init: ``init(params) -> state``: the optimizer's initial state for a
-            parameter tree (an :class:`SGDState` or :class:`AdamState`).
+            parameter tree (an [fsync.optim.SGDState][] or [fsync.optim.AdamState][]).
         update: ``update(params, grads, state) -> (params, state)``: one step,
             returning new tensors and leaving the inputs untouched.
 

@@ -25,7 +25,7 @@ from fsync.optim._base import (
 
 @register_state
 class SGDState(NamedTuple):
-    """The state of :func:`sgd`.
+    """The state of [sgd][fsync.optim.sgd].
 
     Attributes:
         step: 0-d int64 CPU tensor, the number of updates made so far.
@@ -64,7 +64,7 @@ def sgd(
             ``dampening == 0``).
 
     Returns:
-        An :class:`Optimizer` whose state is an :class:`SGDState`.
+        An [Optimizer][fsync.optim.Optimizer] whose state is an [SGDState][fsync.optim.SGDState].
 
     Raises:
         ValueError: A hyper-parameter is out of range, or ``nesterov`` is set

@@ -1,0 +1,87 @@
+"""The sync options as one frozen, validated value.
+
+Every option a sync takes is a field of [fsync.SyncOptions][]: checked once, in
+``__post_init__``, where it is given, and hashable, so that the plan cache and
+the fingerprint the ranks compare can be keyed on it.
+
+Owns: the options and their validation. May import: ``_checks``, ``_planner``
+and ``_hook`` (layers 3 to 5); never ``fsync.ops`` (the default hook is
+resolved by the reduce).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from fsync import _checks
+from fsync._hook import Hook, check_hook
+from fsync._plan import Order
+from fsync._planner import PlanOptions
+
+DivideBy = Literal["world", "active"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyncOptions:
+    """Everything a sync is told besides the tree, its state and the group.
+
+    Build one from keywords; every field is validated on construction, with an
+    error that says how to fix it.
+
+    Attributes:
+        hook: The [fsync.Hook][] the buckets go through; ``None`` for
+            ``fsync.ops.allreduce("mean")``.
+        bucket_cap_mb: Size limit of every bucket after the first, in MiB.
+        first_bucket_mb: Size limit of the first bucket, in MiB.
+        reduce_dtype: Reduce floating point gradients in this dtype and return
+            them in their own; ``None`` reduces each in its own dtype.
+        order: The order leaves are assigned to buckets in: ``"reverse"``
+            (DDP's, after its first iteration), ``"forward"`` or a sequence of
+            tensor-leaf indices.
+        buckets: An explicit bucket layout, per bucket the indices of its
+            leaves in buffer order (as [fsync.BucketPlan][]'s ``buckets``),
+            used instead of DDP's assignment by size; ``None`` (default)
+            assigns by size. DDP's ``bucket_cap_mb_list``, and more.
+        find_unused: A leaf some ranks have no gradient for is averaged with
+            zeros from them; one no rank has comes back ``None`` (DDP's
+            ``find_unused_parameters=True``). Costs one small collective a step.
+        divide_by: ``"world"`` divides the sum by the world size; ``"active"``
+            by the number of ranks that contribute this step.
+
+    Example:
+        >>> import fsync
+        >>> options = fsync.SyncOptions(bucket_cap_mb=4.0, divide_by="active")
+        >>> options.plan.bucket_cap_mb, options.find_unused
+        (4.0, False)
+    """
+
+    hook: Hook | None = None
+    bucket_cap_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    reduce_dtype: torch.dtype | None = None
+    order: Order = "reverse"
+    buckets: tuple[tuple[int, ...], ...] | None = None
+    find_unused: bool = False
+    divide_by: DivideBy = "world"
+
+    def __post_init__(self) -> None:
+        if self.hook is not None:
+            check_hook(self.hook)
+        if not isinstance(self.order, str):
+            object.__setattr__(self, "order", tuple(self.order))
+        if self.buckets is not None:
+            object.__setattr__(self, "buckets", tuple(tuple(b) for b in self.buckets))
+        self.plan.check()
+        _checks.check_flag("find_unused", self.find_unused)
+        _checks.check_divide_by(self.divide_by)
+
+    @property
+    def plan(self) -> PlanOptions:
+        """The options the bucket plan depends on."""
+        order = self.order if isinstance(self.order, str) else tuple(self.order)
+        return PlanOptions(
+            self.bucket_cap_mb, self.first_bucket_mb, self.reduce_dtype, order, self.buckets
+        )
