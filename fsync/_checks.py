@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fsync import _tree
 from fsync._plan import BucketPlan, BucketSpec, LeafSpec, TensorMeta, count
 
 NOT_A_TENSOR = (
@@ -53,6 +54,12 @@ HOOK_NOT_FLOATING = (
 STATEFUL_HOOK = (
     "this hook keeps state (its init returned tensors), which sync_grads would throw away "
     "after every call. Use fsync.GradSync(hook=...) and thread its state."
+)
+FIND_UNUSED_NEEDS_STATE = (
+    "find_unused is an option of fsync.GradSync, not of sync_grads: a leaf unused on some "
+    "ranks is None there, so sync_grads, which plans from the tree it is given, would see "
+    "another tree on each rank. Use fsync.GradSync(find_unused=True) and init it with the "
+    "parameters."
 )
 FIND_UNUSED_UNDER_COMPILE = (
     "find_unused=True cannot run inside torch.compile: whether a leaf comes back None depends "
@@ -216,6 +223,34 @@ def check_floating(name: str, plan: BucketPlan, specs: Sequence[BucketSpec]) -> 
             path = leaf.path if leaf is not None else "?"
             raise TypeError(
                 HOOK_NOT_FLOATING.format(name=name, index=b, dtype=spec.dtype, path=path)
+            )
+
+
+def check_full_state(full_state: Any, template: Any) -> None:
+    """Raises unless ``full_state`` has the structure, shapes and dtypes of ``template``."""
+    expected, spec = _tree.flatten(template)
+    try:
+        got = spec.flatten_up_to(full_state)
+    except ValueError as error:
+        raise ValueError(
+            f"full_state has structure {_tree.structure(full_state)}, but this optimizer's "
+            f"state for these parameters has {spec}. Pass what fsync.ops.zero_state_dict "
+            "returned for the same optimizer and parameter tree."
+        ) from error
+    for accessor, want, have in zip(spec.accessors(), expected, got, strict=True):
+        where = accessor.codify("full_state")
+        if (want is None) != (have is None) or (
+            want is not None and have.__class__ is not want.__class__
+        ):
+            kind = "None" if have is None else f"a {type(have).__name__}"
+            raise ValueError(
+                f"{where} is {kind}; expected {'None' if want is None else 'a tensor'}."
+            )
+        if want is not None and (have.shape != want.shape or have.dtype != want.dtype):
+            raise ValueError(
+                f"{where} has shape {tuple(have.shape)} and dtype {have.dtype}; expected "
+                f"shape {tuple(want.shape)} and dtype {want.dtype}. Was it saved for another "
+                "model or optimizer?"
             )
 
 

@@ -112,42 +112,40 @@ def check_group(group: Group) -> None:
         raise RuntimeError(_NOT_INITIALISED)
 
 
-def _funcol_group(group: Group) -> Any:
-    if group is None:
-        return dist.group.WORLD
+def _mesh_dim(group: Group) -> tuple[DeviceMesh, int] | None:
+    """``(mesh, dim)`` for a mesh group (a 1-D mesh is its dim 0), else ``None``."""
     if isinstance(group, DeviceMesh):
-        return (group, 0)
-    return group
+        return group, 0
+    return group if isinstance(group, tuple) else None
+
+
+def _funcol_group(group: Group) -> Any:
+    return _mesh_dim(group) or (dist.group.WORLD if group is None else group)
 
 
 def size(group: Group) -> int:
     """Number of ranks in ``group``."""
     if isinstance(group, Recorder):
         return group.world_size
-    if isinstance(group, tuple):
-        return group[0].size(group[1])
-    if isinstance(group, DeviceMesh):
-        return group.size(0)
-    return dist.get_world_size(group)
+    mesh_dim = _mesh_dim(group)
+    return mesh_dim[0].size(mesh_dim[1]) if mesh_dim else dist.get_world_size(process_group(group))
 
 
 def rank(group: Group) -> int:
     """This process's rank within ``group``."""
     if isinstance(group, Recorder):
         return group.rank
-    if isinstance(group, tuple):
-        return group[0].get_local_rank(group[1])
-    if isinstance(group, DeviceMesh):
-        return group.get_local_rank(0)
-    return dist.get_rank(group)
+    mesh_dim = _mesh_dim(group)
+    return (
+        mesh_dim[0].get_local_rank(mesh_dim[1]) if mesh_dim else dist.get_rank(process_group(group))
+    )
 
 
 def process_group(group: Group) -> dist.ProcessGroup:
     """The ``ProcessGroup`` behind ``group``."""
-    if isinstance(group, tuple):
-        return group[0].get_group(group[1])
-    if isinstance(group, DeviceMesh):
-        return group.get_group(0)
+    mesh_dim = _mesh_dim(group)
+    if mesh_dim:
+        return mesh_dim[0].get_group(mesh_dim[1])
     return group if group is not None else dist.group.WORLD  # type: ignore[return-value]
 
 
@@ -159,11 +157,9 @@ def all_reduce(x: torch.Tensor, op: str, group: Group, *, inplace: bool = False)
     on first use, as functional collectives do. Under ``torch.compile`` the
     functional form is traced and inductor decides where the result lives.
     """
-    if size(group) == 1:
-        return x
-    if isinstance(group, Recorder):
-        group.record("all_reduce", x)
-        return x.clone()
+    local = _local("all_reduce", x, group)
+    if local is not None:
+        return local
     if inplace and not torch.compiler.is_compiling():
         name = funcol._resolve_group_name(_funcol_group(group))
         in_place: torch.Tensor = funcol._maybe_wrap_tensor(
@@ -174,37 +170,42 @@ def all_reduce(x: torch.Tensor, op: str, group: Group, *, inplace: bool = False)
     return reduced
 
 
-def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along dim 0, in rank order."""
+def _local(op: str, x: torch.Tensor, group: Group) -> torch.Tensor | None:
+    """What ``op`` on ``x`` gives without a process group: ``x`` itself with one rank, a
+    stand-in of the right shape for a [Recorder][fsync._comm.Recorder] (which records the
+    call); ``None`` when the collective must be issued."""
     if size(group) == 1:
         return x
-    if isinstance(group, Recorder):
-        group.record("all_gather", x)
+    if not isinstance(group, Recorder):
+        return None
+    group.record(op, x)
+    if op == "all_gather":
         return torch.cat([x] * group.world_size)
-    gathered: torch.Tensor = _all_gather(x, 0, _funcol_group(group))
+    if op == "reduce_scatter":
+        return x.chunk(group.world_size)[group.rank].clone()
+    return x.clone()
+
+
+def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along dim 0, in rank order."""
+    local = _local("all_gather", x, group)
+    gathered: torch.Tensor = _all_gather(x, 0, _funcol_group(group)) if local is None else local
     return gathered
 
 
 def reduce_scatter(x: torch.Tensor, op: str, group: Group) -> torch.Tensor:
     """Reduces ``x`` over ``group`` and returns this rank's chunk of dim 0."""
-    if size(group) == 1:
-        return x
-    if isinstance(group, Recorder):
-        group.record("reduce_scatter", x)
-        return x.chunk(group.world_size)[group.rank].clone()
+    local = _local("reduce_scatter", x, group)
+    if local is not None:
+        return local
     shard: torch.Tensor = _reduce_scatter(x, op, 0, _funcol_group(group))
     return shard
 
 
 def broadcast(x: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     """Rank ``src``'s ``x`` (``src`` counted within ``group``)."""
-    if size(group) == 1:
-        return x
-    if isinstance(group, Recorder):
-        group.record("broadcast", x)
-        return x.clone()
-    received: torch.Tensor = funcol.broadcast(x, src, _funcol_group(group))
-    return received
+    received: torch.Tensor | None = _local("broadcast", x, group)
+    return funcol.broadcast(x, src, _funcol_group(group)) if received is None else received
 
 
 def wait(x: torch.Tensor) -> torch.Tensor:

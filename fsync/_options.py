@@ -12,7 +12,8 @@ resolved by the reduce).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from collections.abc import Sequence
+from typing import Literal, TypedDict
 
 import torch
 
@@ -63,7 +64,7 @@ class SyncOptions:
     first_bucket_mb: float = 1.0
     reduce_dtype: torch.dtype | None = None
     order: Order = "reverse"
-    buckets: tuple[tuple[int, ...], ...] | None = None
+    buckets: Sequence[Sequence[int]] | None = None
     find_unused: bool = False
     divide_by: DivideBy = "world"
 
@@ -78,10 +79,39 @@ class SyncOptions:
         _checks.check_flag("find_unused", self.find_unused)
         _checks.check_divide_by(self.divide_by)
 
+    @classmethod
+    def of(cls, options: OptionKeywords, /, *, where: str) -> SyncOptions:
+        """The options given as keywords to ``where``, validated (a clear error for a typo)."""
+        unknown = sorted(set(options) - set(OPTION_NAMES))
+        if unknown:
+            raise TypeError(
+                f"{where} got unknown options {unknown}; the options are the fields of "
+                f"fsync.SyncOptions: {list(OPTION_NAMES)}."
+            )
+        return cls(**options)
+
     @property
     def plan(self) -> PlanOptions:
         """The options the bucket plan depends on."""
         order = self.order if isinstance(self.order, str) else tuple(self.order)
+        buckets = None if self.buckets is None else tuple(tuple(b) for b in self.buckets)
         return PlanOptions(
-            self.bucket_cap_mb, self.first_bucket_mb, self.reduce_dtype, order, self.buckets
+            self.bucket_cap_mb, self.first_bucket_mb, self.reduce_dtype, order, buckets
         )
+
+
+class OptionKeywords(TypedDict, total=False):
+    """The fields of [fsync.SyncOptions][], as keywords the entry points take (``**options``)."""
+
+    hook: Hook | None
+    bucket_cap_mb: float
+    first_bucket_mb: float
+    reduce_dtype: torch.dtype | None
+    order: Order
+    buckets: Sequence[Sequence[int]] | None
+    find_unused: bool
+    divide_by: DivideBy
+
+
+# The option names, in field order (a tuple: read, never changed, under torch.compile too).
+OPTION_NAMES = tuple(field.name for field in dataclasses.fields(SyncOptions))

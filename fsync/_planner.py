@@ -273,39 +273,32 @@ def plan_tree(
         # changed between compilations reaches dynamo symbolic (automatic dynamic), and
         # a symbolic value cannot enter a constant function. The loop is traced, its
         # comparisons becoming guards; what it assigns is constant again.
-        rest = (None, None, *options[2:])
+        key = (structure, metas, (None, None, *options[2:]), what, device)
         assigned = None
         if options.buckets is None:
-            columns = _columns_of(structure, metas, rest, what, device)
             limits = size_limits(options.bucket_cap_mb, options.first_bucket_mb)
-            assigned = assign(*columns, limits)
-        plan = _plan_assigned(structure, metas, rest, what, device, assigned)
+            assigned = assign(*_columns_of(key), limits)
+        plan = _plan_assigned(key, assigned)
     else:
         plan = _cached_plan(structure, metas, options, what, device)
     return Planned(leaves, plan, rebuild)
 
 
+# (structure, metas, options without the sizes, what, device): a tree to plan, as the
+# constants that planning at trace time takes.
+_Key = tuple[Structure, tuple[_Meta | None, ...], tuple[Any, ...], str, torch.device | None]
+
+
 @python_at_trace_time
-def _columns_of(
-    structure: Structure,
-    metas: tuple[_Meta | None, ...],
-    options: tuple[Any, ...],
-    what: str,
-    device: torch.device | None,
-) -> tuple[tuple[Any, ...], tuple[int, ...], tuple[bool, ...]]:
+def _columns_of(key: _Key) -> tuple[tuple[Any, ...], tuple[int, ...], tuple[bool, ...]]:
+    structure, metas, options, what, device = key
     _, specs = _leaf_specs(_as_key(structure), metas, what, device)
     return _columns(specs, _sequence(specs, options[3]), options[2])
 
 
 @python_at_trace_time
-def _plan_assigned(
-    structure: Structure,
-    metas: tuple[_Meta | None, ...],
-    options: tuple[Any, ...],
-    what: str,
-    device: torch.device | None,
-    assigned: list[tuple[int, ...]] | None,
-) -> BucketPlan:
+def _plan_assigned(key: _Key, assigned: list[tuple[int, ...]] | None) -> BucketPlan:
+    structure, metas, options, what, device = key
     treespec, specs = _leaf_specs(_as_key(structure), metas, what, device)
     if assigned is None:
         return _checked(BucketPlan(treespec, specs, options[4], options[2]), what)

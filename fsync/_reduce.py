@@ -117,23 +117,12 @@ def reduce_buckets(
     return Reduced(out, used, hook_state)
 
 
-def reduce(
-    leaves: Sequence[torch.Tensor | None],
-    plan: BucketPlan,
-    options: SyncOptions,
-    hook_state: Any,
-    group: _comm.Group,
-    *,
-    active: bool = True,
-) -> tuple[list[torch.Tensor | None], Any]:
-    """``reduce_buckets``, unpacked: new leaves and hook state."""
-    buffers, used, hook_state = reduce_buckets(
-        leaves, plan, options, hook_state, group, active=active
-    )
-    out = _pack.unpack_leaves(buffers, plan)
-    if used is not None:
-        out = [leaf if keep else None for leaf, keep in zip(out, used, strict=True)]
-    return out, hook_state
+def unpack_reduced(reduced: Reduced, plan: BucketPlan) -> list[torch.Tensor | None]:
+    """The leaves of reduced buffers; ``None`` where no rank had a gradient (``find_unused``)."""
+    out = _pack.unpack_leaves(reduced.buffers, plan)
+    if reduced.used is not None:
+        out = [leaf if keep else None for leaf, keep in zip(out, reduced.used, strict=True)]
+    return out
 
 
 def init_hook(options: SyncOptions, plan: BucketPlan) -> Any:

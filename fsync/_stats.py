@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+from typing_extensions import Unpack
 
 from fsync import _comm
 from fsync._comm import Collective
-from fsync._hook import Hook
-from fsync._options import DivideBy, SyncOptions
+from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan, MiB
 from fsync._planner import plan_tree
 from fsync._reduce import init_hook, reduce_buckets
@@ -69,14 +69,9 @@ def sync_stats(
     tree: Any,
     /,
     *,
-    hook: Hook | None = None,
     state: Any = None,
     world_size: int = 2,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
-    reduce_dtype: torch.dtype | None = None,
-    find_unused: bool = False,
-    divide_by: DivideBy = "world",
+    **options: Unpack[OptionKeywords],
 ) -> SyncStats:
     """Measures one sync step's communication without communicating.
 
@@ -90,27 +85,22 @@ def sync_stats(
     Args:
         tree: A tree like the gradients (only metadata is read), or a
             [BucketPlan][fsync.BucketPlan].
-        hook: The hook to measure; default ``fsync.ops.allreduce()``.
         state: The hook state to measure from (e.g. a PowerSGD state after its
             warm-up); default ``hook.init(plan)``.
         world_size: The number of ranks to measure for.
-        bucket_cap_mb: As for [fsync.plan_buckets][], when ``tree`` is a tree.
-        first_bucket_mb: As for [fsync.plan_buckets][], when ``tree`` is a tree.
-        reduce_dtype: As for [fsync.plan_buckets][], when ``tree`` is a tree
-            (a plan carries its own).
-        find_unused: As for [GradSync][fsync.GradSync]: counts its control all-reduce,
-            one int32 per tensor leaf and one more, issued before the buckets.
-        divide_by: As for [GradSync][fsync.GradSync]: ``"active"`` counts a control
-            all-reduce of one int32 (unless ``find_unused`` already issues one).
+        **options: The options of the sync to measure, fields of
+            [fsync.SyncOptions][]: ``hook`` (default ``fsync.ops.allreduce()``);
+            the bucket options when ``tree`` is a tree (a plan carries its own);
+            ``find_unused`` and ``divide_by="active"`` count the control
+            all-reduce [fsync.GradSync][] issues before the buckets (one int32
+            per tensor leaf and one more, or one int32).
 
     Returns:
         The [SyncStats][fsync.SyncStats].
 
     Raises:
-        ValueError: ``world_size`` is not a positive int or ``divide_by`` is
-            neither ``"world"`` nor ``"active"``.
-        TypeError: ``find_unused`` is not a bool, ``reduce_dtype`` is not a
-            floating point dtype, or ``hook`` is not a [Hook][fsync.Hook].
+        ValueError: ``world_size`` is not a positive int or an option is invalid.
+        TypeError: An option is unknown or of the wrong type.
 
     Example:
         >>> import torch, fsync
@@ -122,15 +112,12 @@ def sync_stats(
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int; got {world_size!r}.")
-    options = SyncOptions(
-        hook=hook,
-        bucket_cap_mb=bucket_cap_mb,
-        first_bucket_mb=first_bucket_mb,
-        reduce_dtype=reduce_dtype,
-        find_unused=find_unused,
-        divide_by=divide_by,
+    sync_options = SyncOptions.of(options, where="sync_stats")
+    plan = (
+        tree
+        if isinstance(tree, BucketPlan)
+        else plan_tree(tree, sync_options.plan, what="tree").plan
     )
-    plan = tree if isinstance(tree, BucketPlan) else plan_tree(tree, options.plan, what="tree").plan
     dense = [spec for spec in plan.specs if not spec.sparse]
     if len(dense) < len(plan.specs):  # sparse buckets send data-dependent sizes: left out
         plan = BucketPlan(
@@ -148,8 +135,8 @@ def sync_stats(
         reduce_buckets(
             leaves,
             plan,
-            options,
-            init_hook(options, plan) if state is None else state,
+            sync_options,
+            init_hook(sync_options, plan) if state is None else state,
             recorder,
         )
     return SyncStats(

@@ -11,18 +11,18 @@ layer below (1 to 6).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import optree
 import torch
+from typing_extensions import Unpack
 
 from fsync import _checks, _comm, _planner, _tree
 from fsync._agree import verify_plan
 from fsync._hook import Hook
-from fsync._options import DivideBy, SyncOptions
-from fsync._plan import BucketPlan, LeafSpec, Order
-from fsync._reduce import DEFAULT_HOOK, init_hook, reduce
+from fsync._options import OptionKeywords, SyncOptions
+from fsync._plan import BucketPlan, LeafSpec
+from fsync._reduce import DEFAULT_HOOK, init_hook, reduce_buckets, unpack_reduced
 from fsync._serialization import register_state
 
 
@@ -48,13 +48,9 @@ def sync_grads(
     grads: Any,
     /,
     *,
-    hook: Hook | None = None,
     group: _comm.Group = None,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
-    reduce_dtype: torch.dtype | None = None,
     active: bool = True,
-    divide_by: DivideBy = "world",
+    **options: Unpack[OptionKeywords],
 ) -> Any:
     """Synchronises a gradient tree across ranks: DDP's bucketed all-reduce as a function.
 
@@ -69,31 +65,27 @@ def sync_grads(
     Args:
         grads: A pytree of floating point gradient tensors (``None`` leaves
             stay ``None``; sparse COO leaves are averaged by all-gather).
-        hook: A stateless [fsync.Hook][]; stateful hooks (PowerSGD, ...) need
-            [fsync.GradSync][]. Default: ``fsync.ops.allreduce("mean")``.
         group: ``None`` for the default process group, a ``ProcessGroup``, a
             1-D ``DeviceMesh`` or a ``(DeviceMesh, dim)`` pair.
-        bucket_cap_mb: Bucket size limit in MiB.
-        first_bucket_mb: Size limit of the first bucket in MiB.
-        reduce_dtype: Reduce the floating point gradients in this dtype and
-            return them in their own (``torch.float32`` for bf16 gradients;
-            ``torch.bfloat16`` to halve the traffic of fp32 ones). ``None``
-            reduces each in its own dtype.
         active: ``False`` on a rank that has no data this step (uneven inputs,
             DDP's ``join``): it contributes zeros and receives the result.
-        divide_by: ``"world"`` divides the sum by the world size (DDP's
-            ``divide_by_initial_world_size=True``); ``"active"`` by the number
-            of ranks with ``active=True``, which costs one small collective.
+        **options: The sync options, fields of [fsync.SyncOptions][]:
+            ``hook`` (a stateless one; PowerSGD and other stateful hooks need
+            [fsync.GradSync][]), ``bucket_cap_mb``, ``first_bucket_mb``,
+            ``reduce_dtype`` (``torch.float32`` for bf16 gradients,
+            ``torch.bfloat16`` to halve the traffic of fp32 ones), ``order``,
+            ``buckets`` and ``divide_by`` (``"active"`` divides by the number of
+            ranks with ``active=True``, at the cost of one small collective).
 
     Returns:
         The synchronised gradients, as a tree like ``grads``.
 
     Raises:
-        TypeError: A leaf is not a tensor or not a floating point tensor, or the
-            hook is not a [fsync.Hook][].
-        ValueError: A gradient requires grad, the hook keeps state, the leaves
-            are on several devices, or the ranks' trees differ (raised on every
-            rank).
+        TypeError: A leaf is not a tensor or not a floating point tensor, an
+            option is unknown, or the hook is not a [fsync.Hook][].
+        ValueError: A gradient requires grad, an option is invalid, the hook
+            keeps state, the leaves are on several devices, or the ranks' trees
+            differ (raised on every rank).
 
     Example:
         >>> import torch, fsync
@@ -101,23 +93,19 @@ def sync_grads(
         >>> fsync.sync_grads(grads)["b"]  # one rank: the mean is the gradient itself
         tensor([1., 1.])
     """
-    options = SyncOptions(
-        hook=hook,
-        bucket_cap_mb=bucket_cap_mb,
-        first_bucket_mb=first_bucket_mb,
-        reduce_dtype=reduce_dtype,
-        divide_by=divide_by,
-    )
+    sync_options = SyncOptions.of(options, where="sync_grads")
+    if sync_options.find_unused:
+        raise ValueError(_checks.FIND_UNUSED_NEEDS_STATE)
     _checks.check_flag("active", active)
     _comm.check_group(group)
-    leaves, plan, rebuild = _planner.plan_tree(grads, options.plan)
-    state = init_hook(options, plan)
+    leaves, plan, rebuild = _planner.plan_tree(grads, sync_options.plan)
+    state = init_hook(sync_options, plan)
     if optree.tree_leaves(state, namespace=_tree.NAMESPACE):
         raise ValueError(_checks.STATEFUL_HOOK)
     if not torch.compiler.is_compiling():
         verify_plan(plan, group)
-    out, _ = reduce(leaves, plan, options, state, group, active=active)
-    return rebuild(out)
+    reduced = reduce_buckets(leaves, plan, sync_options, state, group, active=active)
+    return rebuild(unpack_reduced(reduced, plan))
 
 
 class GradSync:
@@ -131,23 +119,18 @@ class GradSync:
     fixed from the first step: no warm-up iterations, no rebuild.
 
     Args:
-        hook: The [fsync.Hook][] to apply to the buckets. Default:
-            ``fsync.ops.allreduce("mean")``.
         group: ``None`` for the default process group, a ``ProcessGroup``, a
             1-D ``DeviceMesh`` or a ``(DeviceMesh, dim)`` pair.
-        bucket_cap_mb: Bucket size limit in MiB.
-        first_bucket_mb: Size limit of the first bucket in MiB.
-        reduce_dtype: As for [fsync.sync_grads][].
-        find_unused: Gradients may be ``None`` for parameters some ranks did not
-            use (DDP's ``find_unused_parameters=True``): one small collective per
-            step finds which leaves any rank used; a leaf used nowhere comes back
+        **options: The sync options, fields of [fsync.SyncOptions][]: ``hook``
+            (any [fsync.Hook][], stateful ones included), ``bucket_cap_mb``,
+            ``first_bucket_mb``, ``reduce_dtype``, ``order``, ``buckets``,
+            ``divide_by`` and ``find_unused``: gradients may then be ``None``
+            for parameters some ranks did not use (DDP's
+            ``find_unused_parameters=True``); one small collective per step
+            finds which leaves any rank used, a leaf used nowhere comes back
             ``None``, one used somewhere is averaged over all ranks with zeros
-            from the others. Eager only. With ``False`` (default) a ``None``
-            gradient simply counts as zeros.
-        divide_by: As for [fsync.sync_grads][].
-        order: As for [fsync.plan_buckets][].
-        buckets: An explicit bucket layout instead of DDP's assignment by
-            size (see [fsync.SyncOptions][]).
+            from the others (eager only). Without it a ``None`` gradient counts
+            as zeros.
 
     Attributes:
         options: The [fsync.SyncOptions][] given, validated.
@@ -163,29 +146,8 @@ class GradSync:
         ((1, 0),)
     """
 
-    def __init__(
-        self,
-        *,
-        hook: Hook | None = None,
-        group: _comm.Group = None,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_mb: float = 1.0,
-        reduce_dtype: torch.dtype | None = None,
-        find_unused: bool = False,
-        divide_by: DivideBy = "world",
-        order: Order = "reverse",
-        buckets: Sequence[Sequence[int]] | None = None,
-    ) -> None:
-        self.options = SyncOptions(
-            hook=hook,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_mb=first_bucket_mb,
-            reduce_dtype=reduce_dtype,
-            order=order,
-            buckets=None if buckets is None else tuple(tuple(b) for b in buckets),
-            find_unused=find_unused,
-            divide_by=divide_by,
-        )
+    def __init__(self, *, group: _comm.Group = None, **options: Unpack[OptionKeywords]) -> None:
+        self.options = SyncOptions.of(options, where="GradSync")
         self.group = group
 
     @property
@@ -250,8 +212,8 @@ class GradSync:
                 "state belongs to another plan (its fingerprint differs); pass the state that "
                 "this GradSync's init returned."
             )
-        out, hook_state = reduce(leaves, plan, self.options, state.hook, self.group, active=active)
-        return rebuild(out), state._replace(hook=hook_state)
+        reduced = reduce_buckets(leaves, plan, self.options, state.hook, self.group, active=active)
+        return rebuild(unpack_reduced(reduced, plan)), state._replace(hook=reduced.hook_state)
 
 
 def _fit(sync: GradSync, grads: Any, state: SyncState) -> _planner.Planned:

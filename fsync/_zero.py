@@ -266,34 +266,6 @@ def _check_state(layout: ZeroLayout, state: Any) -> None:
         )
 
 
-def _check_full(full_state: Any, template: Any) -> None:
-    expected, t_spec = _tree.flatten(template)
-    got, spec = _tree.flatten(full_state)
-    if spec != t_spec:
-        raise ValueError(
-            f"full_state has structure {spec}, but this optimizer's state for these "
-            f"parameters has {t_spec}. Pass what fsync.ops.zero_state_dict returned for the "
-            "same optimizer and parameter tree."
-        )
-    for accessor, want, have in zip(t_spec.accessors(), expected, got, strict=True):
-        where = accessor.codify("full_state")
-        if want is None or have is None:
-            if (want is None) != (have is None):
-                raise ValueError(
-                    f"{where} is {'None' if have is None else 'a tensor'}; expected "
-                    f"{'None' if want is None else 'a tensor'}."
-                )
-            continue
-        if not isinstance(have, torch.Tensor):
-            raise ValueError(f"{where} is a {type(have).__name__}; expected a tensor.")
-        if have.shape != want.shape or have.dtype != want.dtype:
-            raise ValueError(
-                f"{where} has shape {tuple(have.shape)} and dtype {have.dtype}; expected "
-                f"shape {tuple(want.shape)} and dtype {want.dtype}. Was it saved for another "
-                "model or optimizer?"
-            )
-
-
 def _shard_full(layout: ZeroLayout, optimizer: Optimizer, full_state: Any) -> Any:
     """This rank's pieces of a full optimizer state (every per-parameter slot cut up)."""
     plan = layout.plan
@@ -304,7 +276,7 @@ def _shard_full(layout: ZeroLayout, optimizer: Optimizer, full_state: Any) -> An
             for leaf in plan.leaves
         ],
     )
-    _check_full(full_state, optimizer.init(meta_params))
+    _checks.check_full_state(full_state, optimizer.init(meta_params))
     template_slots, slot_spec = _tree.flatten(
         optimizer.init(layout.meta_pieces()), is_leaf=layout.is_pieces
     )
@@ -386,17 +358,13 @@ class ZeroStep:
         self,
         optimizer: Optimizer,
         *,
-        hook: Hook | None = None,
+        options: SyncOptions,
         shard_buckets: bool = True,
         group: _comm.Group = None,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_mb: float = 1.0,
     ) -> None:
         _checks.check_optimizer(optimizer)
         self.optimizer = optimizer
-        self.options = SyncOptions(
-            hook=hook, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb
-        )
+        self.options = options
         self.shard_buckets = bool(shard_buckets)
         self.group = group
 
@@ -560,14 +528,8 @@ def zero(
         >>> params["b"]
         tensor([-0.5000, -0.5000])
     """
-    return ZeroStep(
-        optimizer,
-        hook=hook,
-        shard_buckets=shard_buckets,
-        group=group,
-        bucket_cap_mb=bucket_cap_mb,
-        first_bucket_mb=first_bucket_mb,
-    )
+    options = SyncOptions(hook=hook, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
+    return ZeroStep(optimizer, options=options, shard_buckets=shard_buckets, group=group)
 
 
 def zero_state_dict(state: ZeroState, step: ZeroStep, /, *, to: int = 0) -> Any:
