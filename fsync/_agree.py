@@ -1,146 +1,380 @@
-"""Agreement between ranks: the small collectives a sync issues before any bucket collective.
+"""Agreement between ranks: checked at every sync, before any bucket collective.
 
-``verify_plan`` compares a 64-bit fingerprint of the
-plan across ranks and, only when they differ, gathers descriptions to name the
-first difference; ``control`` is the per-step control
-all-reduce of ``find_unused`` and ``divide_by="active"``.
+Every sync starts with one small all-reduce (``sum``, int64) of a fixed-size
+control vector, the same size on every rank whatever the ranks hold, so that
+ranks that disagree still meet in it:
+
+* ``active``: 1 on a rank that contributes this step (the count divides a mean
+  for ``divide_by="active"``);
+* the 64-bit fingerprint ``h`` of the plan and the sync options (the hook's
+  kind and settings, ``find_unused``, ``divide_by``), cut into four 16-bit
+  chunks ``c``, each sent as ``(c, c**2)``;
+* the sync's sequence number ``s`` (the state's step count modulo 2**16) as
+  ``(s, s**2)``, which catches a rank that skipped a sync;
+* a flag for a state made for another plan, and the number of leaves this rank
+  has no gradient for.
+
+By Cauchy-Schwarz, ``(sum c)**2 == n * sum c**2`` holds exactly when all ``n``
+values are equal, and every rank evaluates the same sums: every rank sees the
+same verdict from ``O(1)`` bytes per rank, at any world size (int64 does not
+overflow below 2**15 ranks). Only on a disagreement do the ranks exchange their
+descriptions to name the first difference, in a ``ValueError`` raised on every
+rank. When some rank has no gradient for a leaf (or with ``find_unused``) a
+second all-reduce counts, per tensor leaf, the ranks that have one: a leaf no
+rank has comes back ``None`` (DDP's semantics); one some ranks lack is averaged
+with zeros from them under ``find_unused``, and is an error without it.
+
+Under ``torch.compile`` the same function runs as an opaque custom op
+(``fsync::agree``), so the check, and its error, happen at run time in the
+compiled step as they do eagerly; the packed buckets depend on its result, so no
+bucket collective can be scheduled before it.
 
 Owns: what ranks compare and the words for how they differ. May import:
-``_comm``, ``_tree``, ``_plan``, ``_checks`` (layers 1 to 3).
+``_comm``, ``_tree``, ``_plan``, ``_checks``, ``_planner`` (layers 1 to 4).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from fsync import _checks, _comm, _tree
+from fsync import _checks, _comm
 from fsync._plan import BucketPlan
+from fsync._planner import python_at_trace_time
 
 _FIX = (
     "Every rank must pass the same tree (same structure, shapes, dtypes and layouts) with the "
-    "same bucket options. Build the plan from the parameter tree (GradSync.init(params)) so "
-    "that gradients unused on some ranks are still covered."
+    "same sync options, at every step. Build the plan from the parameter tree (GradSync.init("
+    "params)) so that gradients unused on some ranks are still covered."
+)
+_SKIPPED = (
+    "ranks are at different syncs of this group: {who}. A rank skipped a sync (a sync "
+    "written inside `if rank == 0:`, or a rank that ran out of data without active=False), "
+    "so its collectives would pair with another step's. Every rank must call every sync; a "
+    "rank without data passes active=False."
+)
+_OTHER_STATE = (
+    "state belongs to another plan (its fingerprint differs from the plan of the gradients) "
+    "on {who}. Pass the state that this sync's init returned, or the previous step's."
+)
+_PARTLY_UNUSED = (
+    "leaf {path!r} has a gradient on {have} but None on {lack}: a parameter unused on some "
+    "ranks. Pass find_unused=True to GradSync (DDP's find_unused_parameters=True) to average "
+    "it with zeros from the ranks that did not use it."
 )
 
-
-def describe(plan: BucketPlan) -> dict[str, Any]:
-    """A picklable, device-index-free description of ``plan`` for error messages."""
-    paths = [_tree.path_str(p) for p in plan.treespec.paths()]
-    leaves = [
-        (path, "None" if leaf is None else leaf.describe())
-        for path, leaf in zip(paths, plan.leaves, strict=True)
-    ]
-    return {"structure": repr(plan.treespec), "leaves": leaves, "buckets": plan.buckets}
+# Control vector: [active, (c, c*c) for 4 chunks of h, s, s*s, other_state, nones].
+_CHUNKS = 4
+_CHUNK_BITS = 16
+_ACTIVE, _H, _SEQ, _STATE, _NONES = 0, 1, 1 + 2 * _CHUNKS, 3 + 2 * _CHUNKS, 4 + 2 * _CHUNKS
+CONTROL_SIZE = 5 + 2 * _CHUNKS
 
 
-def first_difference(descriptions: list[dict[str, Any]], what: str) -> str:
-    """Words for the first way in which a rank's description differs from rank 0's."""
-    ref = descriptions[0]
-    for rank, other in enumerate(descriptions[1:], start=1):
-        for (path0, desc0), (path1, desc1) in zip(ref["leaves"], other["leaves"], strict=False):
-            if path0 != path1:
-                return (
-                    f"{what} differ across ranks: the leaf at this position is {path0!r} on "
-                    f"rank 0 but {path1!r} on rank {rank}."
-                )
-            if desc0 != desc1:
-                return (
-                    f"{what} differ across ranks: leaf {path0!r} has {desc0} on rank 0 but "
-                    f"{desc1} on rank {rank}."
-                )
-        n0, n1 = len(ref["leaves"]), len(other["leaves"])
-        if n0 != n1:
-            longer, extra = (0, ref) if n0 > n1 else (rank, other)
-            return (
-                f"{what} differ across ranks: rank 0 has {n0} leaves and rank {rank} has {n1}; "
-                f"the first extra one is {extra['leaves'][min(n0, n1)][0]!r} on rank {longer}."
-            )
-        if ref["structure"] != other["structure"]:
-            return (
-                f"{what} differ across ranks: the tree structure is {ref['structure']} on rank 0 "
-                f"but {other['structure']} on rank {rank}."
-            )
-        if ref["buckets"] != other["buckets"]:
-            return (
-                f"{what} differ across ranks: the bucket plans differ (bucket_cap_mb, "
-                f"first_bucket_mb or order) between rank 0 and rank {rank}."
-            )
-    return f"{what} differ across ranks in a way the descriptions do not show."
+class Agreed(NamedTuple):
+    """What the ranks agreed on: the divisor of a mean and which leaves some rank has."""
+
+    divisor: int | torch.Tensor
+    used: list[bool] | None
+
+
+@python_at_trace_time
+def fingerprint(plan_fingerprint: int, hook: str, find_unused: bool, divide_by: str) -> int:
+    """The 64-bit digest ranks compare: the plan's fingerprint and the sync options."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(json.dumps([plan_fingerprint, hook, find_unused, divide_by]).encode())
+    return int.from_bytes(digest.digest(), "big")
+
+
+def _chunks(value: int) -> list[int]:
+    mask = (1 << _CHUNK_BITS) - 1
+    return [(value >> (_CHUNK_BITS * k)) & mask for k in range(_CHUNKS)]
+
+
+def control_vector(
+    h: int,
+    *,
+    active: bool,
+    nones: int,
+    step: torch.Tensor | None,
+    state_fingerprint: torch.Tensor | None,
+    plan_fingerprint: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """This rank's control vector (see the module's docstring)."""
+    fixed = [int(active)]
+    for c in _chunks(h):
+        fixed += [c, c * c]
+    head = torch.tensor(fixed, dtype=torch.int64, device=device)
+    tail = torch.tensor([0, 0, 0, nones], dtype=torch.int64, device=device)
+    if step is not None:
+        s = step.to(device=device, dtype=torch.int64).reshape(1) % (1 << _CHUNK_BITS)
+        tail = tail + torch.cat([s, s * s, s.new_zeros(2)])
+    if state_fingerprint is not None:
+        other = (state_fingerprint.to(device).reshape(1) != plan_fingerprint).to(torch.int64)
+        tail = tail + torch.cat([other.new_zeros(2), other, other.new_zeros(1)])
+    return torch.cat([head, tail])
+
+
+def _all_equal(total: int, squares: int, n: int) -> bool:
+    return total * total == n * squares
+
+
+def _verdict(summed: list[int], world_size: int) -> str | None:
+    """Which kind of disagreement the summed control vector shows, if any."""
+    if summed[_STATE]:
+        return "state"
+    if not _all_equal(summed[_SEQ], summed[_SEQ + 1], world_size):
+        return "seq"
+    for k in range(_CHUNKS):
+        if not _all_equal(summed[_H + 2 * k], summed[_H + 2 * k + 1], world_size):
+            return "fingerprint"
+    return None
+
+
+def agree(
+    control: torch.Tensor,
+    used: torch.Tensor,
+    group: _comm.Group,
+    description: str,
+    find_unused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The agreement itself (eager): the summed control vector and per-leaf use counts.
+
+    Raises the same ``ValueError`` on every rank when they disagree.
+    """
+    summed = _comm.wait(_comm.all_reduce(control.clone(), "sum", group, control=True))
+    values = summed.tolist()
+    world_size = _comm.size(group)
+    problem = _verdict(values, world_size)
+    if problem is not None:
+        _raise(problem, control, description, group)
+    counts = used
+    if find_unused or values[_NONES]:  # some rank lacks a gradient: count who has each leaf
+        counts = _comm.wait(_comm.all_reduce(used.clone(), "sum", group, control=True))
+        if not find_unused:
+            _check_fully_used(counts, used, int(values[_ACTIVE]), description, group)
+    return summed, counts
+
+
+def _raise(problem: str, control: torch.Tensor, description: str, group: _comm.Group) -> None:
+    mine = (control.tolist(), description)
+    everyone = _comm.all_gather_object(mine, group, control.device)
+    if problem == "state":
+        who = [r for r, (c, _) in enumerate(everyone) if c[_STATE]]
+        raise ValueError(_OTHER_STATE.format(who=_ranks(who)))
+    if problem == "seq":
+        steps = [c[_SEQ] for c, _ in everyone]
+        where = ", ".join(f"rank {r} at sync {s}" for r, s in enumerate(steps))
+        raise ValueError(_SKIPPED.format(who=where))
+    descriptions = [json.loads(d) for _, d in everyone]
+    raise ValueError(f"{first_difference(descriptions)} {_FIX}")
 
 
 def verify_plan(plan: BucketPlan, group: _comm.Group, what: str = "grads") -> None:
     """Raises the same ``ValueError`` on every rank unless all ranks hold the same plan.
 
-    One all-gather of a 64-bit fingerprint; only on a mismatch do the ranks
-    exchange descriptions to say what differs.
+    The per-step agreement with the plan's fingerprint alone (no options, no
+    step), for entry points that take a tree once: ``GradSync.init``, the ZeRO
+    step's ``init``, [fsync.broadcast][], [fsync.verify][].
     """
     if _comm.size(group) == 1:
         return
     device = _comm.default_device(group)
-    mine = torch.tensor([plan.fingerprint], dtype=torch.int64, device=device)
-    fingerprints = _comm.wait(_comm.all_gather(mine, group)).tolist()
-    if len(set(fingerprints)) == 1:
+    control = control_vector(
+        plan.fingerprint,
+        active=True,
+        nones=0,
+        step=None,
+        state_fingerprint=None,
+        plan_fingerprint=plan.fingerprint,
+        device=device,
+    )
+    description = describe(plan.description, "", False, "", what)
+    agree(control, torch.zeros(0, dtype=torch.int64, device=device), group, description, False)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return (
+        "rank " + ", ".join(map(str, ranks))
+        if len(ranks) == 1
+        else "ranks " + ", ".join(map(str, ranks))
+    )
+
+
+def _check_fully_used(
+    counts: torch.Tensor, used: torch.Tensor, active: int, description: str, group: _comm.Group
+) -> None:
+    partial = ((counts > 0) & (counts < active)).nonzero()
+    if partial.numel() == 0:
         return
-    descriptions = _comm.all_gather_object(describe(plan), group, device)
-    raise ValueError(f"{first_difference(descriptions, what)} {_FIX}")
+    position = int(partial[0])
+    has = _comm.all_gather_object(bool(used[position]), group, used.device)
+    paths = [path for path, leaf in json.loads(description)["plan"]["leaves"] if leaf != "None"]
+    have = _ranks([r for r, h in enumerate(has) if h])
+    lack = _ranks([r for r, h in enumerate(has) if not h])
+    raise ValueError(_PARTLY_UNUSED.format(path=paths[position], have=have, lack=lack))
 
 
-def control_flags(
-    leaves: Sequence[Any], plan: BucketPlan, *, active: bool, find_unused: bool
-) -> list[int]:
-    """What a rank puts into the control all-reduce (see ``control``).
+def first_difference(descriptions: list[dict[str, Any]]) -> str:
+    """Words for the first way in which a rank's description differs from rank 0's."""
+    ref = descriptions[0]
+    what = ref["what"]
+    for rank, other in enumerate(descriptions[1:], start=1):
+        for key in ("hook", "find_unused", "divide_by"):
+            mine, theirs = ref["options"][key], other["options"][key]
+            if mine != theirs:
+                if key != "hook":  # a hook's spec reads as code already
+                    mine, theirs = repr(mine), repr(theirs)
+                return (
+                    f"the ranks' sync options differ: {key} is {mine} on rank 0 but {theirs} "
+                    f"on rank {rank}."
+                )
+        words = _plan_difference(ref["plan"], other["plan"], rank)
+        if words is not None:
+            return f"{what} differ across ranks: {words}"
+    return f"{what} differ across ranks in a way their descriptions do not show."
 
-    One flag per tensor leaf of the plan when ``find_unused`` (1 if this rank
-    has a gradient for it), then one for ``active``. ``sync_stats`` counts the
-    same list.
-    """
-    flags = []
-    if find_unused:
-        flags = [
-            int(active and leaves[i] is not None)
-            for i, spec in enumerate(plan.leaves)
-            if spec is not None
-        ]
-    return [*flags, int(active)]
+
+def _plan_difference(ref: dict[str, Any], other: dict[str, Any], rank: int) -> str | None:
+    for (path0, desc0), (path1, desc1) in zip(ref["leaves"], other["leaves"], strict=False):
+        if path0 != path1:
+            return f"the leaf at this position is {path0!r} on rank 0 but {path1!r} on rank {rank}."
+        if desc0 != desc1:
+            return f"leaf {path0!r} has {desc0} on rank 0 but {desc1} on rank {rank}."
+    n0, n1 = len(ref["leaves"]), len(other["leaves"])
+    if n0 != n1:
+        longer, extra = (0, ref) if n0 > n1 else (rank, other)
+        return (
+            f"rank 0 has {n0} leaves and rank {rank} has {n1}; the first extra one is "
+            f"{extra['leaves'][min(n0, n1)][0]!r} on rank {longer}."
+        )
+    if ref["structure"] != other["structure"]:
+        return (
+            f"the tree structure is {ref['structure']} on rank 0 but {other['structure']} on "
+            f"rank {rank}."
+        )
+    if ref["reduce_dtype"] != other["reduce_dtype"]:
+        return (
+            f"reduce_dtype is {ref['reduce_dtype']} on rank 0 but {other['reduce_dtype']} on "
+            f"rank {rank}."
+        )
+    if ref["buckets"] != other["buckets"]:
+        return (
+            f"the bucket plans differ (bucket_cap_mb, first_bucket_mb, order or buckets) "
+            f"between rank 0 and rank {rank}: {ref['buckets']} on rank 0 but "
+            f"{other['buckets']} on rank {rank}."
+        )
+    return None
 
 
-def control(
-    leaves: Sequence[Any],
+@python_at_trace_time
+def describe(plan_description: str, hook: str, find_unused: bool, divide_by: str, what: str) -> str:
+    """This rank's plan and options in words (JSON), exchanged only on a disagreement."""
+    options = {"hook": hook, "find_unused": find_unused, "divide_by": divide_by}
+    plan = json.loads(plan_description)
+    return json.dumps({"plan": plan, "options": options, "what": what})
+
+
+@torch.library.custom_op("fsync::agree", mutates_args=())
+def _agree_op(
+    control: torch.Tensor,
+    used: torch.Tensor,
+    group_name: str,
+    description: str,
+    find_unused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    summed, counts = agree(control, used, _comm.group_named(group_name), description, find_unused)
+    return summed, counts.clone() if counts is used else counts
+
+
+@_agree_op.register_fake
+def _(
+    control: torch.Tensor,
+    used: torch.Tensor,
+    group_name: str,
+    description: str,
+    find_unused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(control), torch.empty_like(used)
+
+
+def agree_on(
     plan: BucketPlan,
+    leaves: Sequence[Any],
     group: _comm.Group,
     *,
-    active: bool,
-    divide_by: str,
+    hook: str,
     find_unused: bool,
-) -> tuple[list[bool] | None, int | torch.Tensor]:
-    """The one small collective for unused leaves and contributing ranks, if needed.
+    divide_by: str,
+    active: bool,
+    step: torch.Tensor | None = None,
+    state_fingerprint: torch.Tensor | None = None,
+) -> tuple[Agreed, torch.Tensor | None]:
+    """The per-step agreement of one sync; returns what was agreed and a dependency token.
 
-    Returns which leaves some rank used (``None`` unless ``find_unused``) and the
-    divisor of a mean: the world size, or the number of active ranks as a 0-d
-    tensor (at least 1, so a step where nobody contributes yields zeros).
+    Under ``torch.compile`` the token is a 0-d tensor computed from the
+    agreement's result and always true: buckets packed with it (see
+    ``_pack.pack_leaves``) wait for the agreement, which is therefore neither
+    scheduled after a bucket collective nor dropped as unused. Eagerly, where the
+    program order is the order, it is ``None``. With one rank nothing is sent (a
+    state for another plan is still refused eagerly).
     """
     world_size = _comm.size(group)
-    if not find_unused and divide_by == "world":
-        return None, world_size
+    tensor_leaves = [i for i, spec in enumerate(plan.leaves) if spec is not None]
+    has = [active and leaves[i] is not None for i in tensor_leaves]
+    nones = sum(1 for h in has if not h) if active else 0
+    if world_size == 1:
+        eager = not torch.compiler.is_compiling()
+        if eager and state_fingerprint is not None and int(state_fingerprint) != plan.fingerprint:
+            raise ValueError(_OTHER_STATE.format(who="rank 0"))
+        present = _present(plan, tensor_leaves, None, False, has) if nones else None
+        return Agreed(world_size, present), None
     if find_unused and torch.compiler.is_compiling():
         raise ValueError(_checks.FIND_UNUSED_UNDER_COMPILE)
-    tensor_leaves = [i for i, spec in enumerate(plan.leaves) if spec is not None]
-    flags = control_flags(leaves, plan, active=active, find_unused=find_unused)
     device = plan.specs[0].device if plan.specs else _comm.default_device(group)
-    counts = _comm.wait(
-        _comm.all_reduce(torch.tensor(flags, dtype=torch.int32, device=device), "sum", group)
+    h = fingerprint(plan.fingerprint, hook, find_unused, divide_by)
+    control = control_vector(
+        h,
+        active=active,
+        nones=nones,
+        step=step,
+        state_fingerprint=state_fingerprint,
+        plan_fingerprint=plan.fingerprint,
+        device=device,
     )
+    used = torch.tensor(has, dtype=torch.int64, device=device)
+    description = describe(plan.description, hook, find_unused, divide_by, "grads")
+    if torch.compiler.is_compiling():
+        name = _comm.group_name(group)
+        summed, counts = torch.ops.fsync.agree(control, used, name, description, find_unused)
+    else:
+        summed, counts = agree(control, used, group, description, find_unused)
     divisor: int | torch.Tensor = world_size
     if divide_by == "active":
-        divisor = counts[-1].clamp(min=1)
-    used = None
-    if find_unused:
-        used_leaves = set()
-        for i, n in zip(tensor_leaves, counts[:-1].tolist(), strict=True):
-            if n:
-                used_leaves.add(i)
-        used = [i in used_leaves for i in range(len(plan.leaves))]
-    return used, divisor
+        divisor = summed[_ACTIVE].clamp(min=1)
+    present = None
+    if find_unused or (active and nones):
+        present = _present(plan, tensor_leaves, counts, find_unused, has)
+    token = (summed[_ACTIVE] >= 0) if torch.compiler.is_compiling() else None
+    return Agreed(divisor, present), token
+
+
+def _present(
+    plan: BucketPlan,
+    tensor_leaves: list[int],
+    counts: torch.Tensor | None,
+    find_unused: bool,
+    has: list[bool],
+) -> list[bool]:
+    """Per leaf of the plan: does it come back as a tensor (some rank has a gradient)?"""
+    # With find_unused (eager only: the tree's shape depends on the other ranks) the
+    # counts; without, this rank's own leaves (agreed: every active rank lacks the same).
+    where = counts.tolist() if find_unused and counts is not None else has
+    present = [False] * len(plan.leaves)
+    for i, n in zip(tensor_leaves, where, strict=True):
+        present[i] = bool(n)
+    return present

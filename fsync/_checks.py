@@ -55,6 +55,12 @@ STATEFUL_HOOK = (
     "this hook keeps state (its init returned tensors), which sync_grads would throw away "
     "after every call. Use fsync.GradSync(hook=...) and thread its state."
 )
+DYNAMIC_SHAPE = (
+    "leaf {index} of the tree reached torch.compile with a dynamic shape: its shape changed "
+    "between calls and dynamo made it symbolic, but buckets are planned from static shapes "
+    "(every rank must send the same bytes). Compile with dynamic=False (fsync.compile does), "
+    "or keep the gradients' shapes fixed from one step to the next."
+)
 FIND_UNUSED_NEEDS_STATE = (
     "find_unused is an option of fsync.GradSync, not of sync_grads: a leaf unused on some "
     "ranks is None there, so sync_grads, which plans from the tree it is given, would see "

@@ -15,12 +15,14 @@ releases. May import: torch only (layer 1, the bottom of fsync).
 from __future__ import annotations
 
 import pickle
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group  # type: ignore[attr-defined]
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
@@ -31,11 +33,16 @@ _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduc
 
 
 class Collective(NamedTuple):
-    """One collective as a recorder saw it: what this rank put on the wire."""
+    """One collective as a recorder saw it: what this rank put on the wire.
+
+    ``control`` marks fsync's own small collectives (the ranks' agreement), as
+    opposed to those that move the buckets.
+    """
 
     op: str
     dtype: torch.dtype
     numel: int
+    control: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -63,9 +70,9 @@ class Recorder:
         self.rank = rank
         self.calls: list[Collective] = []
 
-    def record(self, op: str, x: torch.Tensor) -> None:
+    def record(self, op: str, x: torch.Tensor, *, control: bool = False) -> None:
         """Appends one collective of ``op`` on ``x`` to ``calls``."""
-        self.calls.append(Collective(op, x.dtype, x.numel()))
+        self.calls.append(Collective(op, x.dtype, x.numel(), control))
 
     def __repr__(self) -> str:
         return f"Recorder(world_size={self.world_size}, rank={self.rank})"
@@ -149,15 +156,37 @@ def process_group(group: Group) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD  # type: ignore[return-value]
 
 
-def all_reduce(x: torch.Tensor, op: str, group: Group, *, inplace: bool = False) -> torch.Tensor:
+def _group_name(group: Group) -> str:
+    name: str = funcol._resolve_group_name(_funcol_group(group))
+    return name
+
+
+# The name c10d knows a group by: what a custom op can carry into a compiled graph. Read
+# as Python at trace time (the group is a constant there; its name type is not traceable).
+_constant = cast(
+    Callable[[Callable[[Group], str]], Callable[[Group], str]],
+    torch.compiler.assume_constant_result,
+)
+group_name = _constant(_group_name)
+
+
+def group_named(name: str) -> dist.ProcessGroup:
+    """The group a name from ``group_name`` stands for."""
+    return _resolve_process_group(name)  # type: ignore[arg-type]
+
+
+def all_reduce(
+    x: torch.Tensor, op: str, group: Group, *, inplace: bool = False, control: bool = False
+) -> torch.Tensor:
     """Reduces ``x`` over ``group`` with ``op``, one of ``REDUCE_OPS``.
 
     ``inplace=True`` lets an eager call reduce into ``x`` itself (for a tensor the
     caller owns) instead of a copy. Either way the result waits for the collective
     on first use, as functional collectives do. Under ``torch.compile`` the
     functional form is traced and inductor decides where the result lives.
+    ``control`` marks fsync's own agreement for a ``Recorder``.
     """
-    local = _local("all_reduce", x, group)
+    local = _local("all_reduce", x, group, op, control=control)
     if local is not None:
         return local
     if inplace and not torch.compiler.is_compiling():
@@ -170,19 +199,26 @@ def all_reduce(x: torch.Tensor, op: str, group: Group, *, inplace: bool = False)
     return reduced
 
 
-def _local(op: str, x: torch.Tensor, group: Group) -> torch.Tensor | None:
-    """What ``op`` on ``x`` gives without a process group: ``x`` itself with one rank, a
-    stand-in of the right shape for a [Recorder][fsync._comm.Recorder] (which records the
-    call); ``None`` when the collective must be issued."""
+def _local(
+    op: str, x: torch.Tensor, group: Group, reduce_op: str = "sum", *, control: bool = False
+) -> torch.Tensor | None:
+    """What ``op`` on ``x`` gives without a process group.
+
+    ``x`` itself with one rank; for a ``Recorder`` (which records the call) the
+    result as if every rank held the same ``x``; ``None`` when the collective
+    must be issued.
+    """
     if size(group) == 1:
         return x
     if not isinstance(group, Recorder):
         return None
-    group.record(op, x)
+    group.record(op, x, control=control)
     if op == "all_gather":
         return torch.cat([x] * group.world_size)
     if op == "reduce_scatter":
-        return x.chunk(group.world_size)[group.rank].clone()
+        x = x.chunk(group.world_size)[group.rank]
+    if op != "broadcast" and reduce_op == "sum":
+        return x * group.world_size
     return x.clone()
 
 
@@ -195,7 +231,7 @@ def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def reduce_scatter(x: torch.Tensor, op: str, group: Group) -> torch.Tensor:
     """Reduces ``x`` over ``group`` and returns this rank's chunk of dim 0."""
-    local = _local("reduce_scatter", x, group)
+    local = _local("reduce_scatter", x, group, op)
     if local is not None:
         return local
     shard: torch.Tensor = _reduce_scatter(x, op, 0, _funcol_group(group))

@@ -102,7 +102,10 @@ def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs
         fn: The train step (or any function calling fsync).
         overlap: Apply the overlap settings (``OVERLAP_OPTIONS``).
         fullgraph: As for ``torch.compile``; fsync traces without graph breaks.
-        **kwargs: Passed to ``torch.compile`` (``mode``, ``dynamic``, ``options`` ...).
+        **kwargs: Passed to ``torch.compile`` (``mode``, ``options`` ...);
+            ``dynamic`` defaults to ``False``: a gradient shape that changes
+            between calls recompiles with a new plan, which the ranks check,
+            instead of becoming symbolic (a bucket plan needs static shapes).
 
     Returns:
         The compiled function.
@@ -114,6 +117,9 @@ def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs
         ...     return {k: p - 0.1 * grads[k] for k, p in params.items()}
         >>> train_step = fsync.compile(train_step)  # compiled on its first call
     """
+    # Static shapes: buckets are planned from them, and a shape that changed between calls
+    # must be a new plan (which the ranks then check) rather than a symbolic one.
+    kwargs.setdefault("dynamic", False)
     options = {
         "post_grad_custom_post_pass": ScaleBeforeConcat(),
         **(OVERLAP_OPTIONS if overlap else {}),

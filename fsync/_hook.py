@@ -92,6 +92,12 @@ class Hook(NamedTuple):
             the state and a [SyncContext][fsync.SyncContext], and returns as many tensors of
             the same sizes and dtypes, plus its new state. It must not modify
             its inputs in place (unless ``ctx.owned`` allows it).
+        spec: The hook's kind and settings in words, such as
+            ``"powersgd(rank=2, ...)"``: part of what ranks compare at every
+            sync, so that ranks running different hooks or settings get an
+            error instead of wrong numbers. fsync's hooks fill it in; for a
+            hook of your own, name its settings here (left empty, the module
+            and name of ``apply`` stand in).
 
     Example:
         >>> import fsync
@@ -103,6 +109,24 @@ class Hook(NamedTuple):
 
     init: InitFn
     apply: ApplyFn
+    spec: str = ""
+
+
+def hook_spec(hook: Hook, /) -> str:
+    """What identifies ``hook`` across ranks: its ``spec``, or where its ``apply`` is defined."""
+    if hook.spec:
+        return hook.spec
+    return f"{getattr(hook.apply, '__module__', '?')}.{getattr(hook.apply, '__qualname__', '?')}"
+
+
+def spec_of(name: str, /, *args: Any, **settings: Any) -> str:
+    """``name(arg, key=value, ...)``: a hook's spec from its factory's name and settings.
+
+    Positional ``args`` are written as they are (an inner hook's spec, a number),
+    keyword ``settings`` as ``key=repr(value)``.
+    """
+    words = [str(a) for a in args] + [f"{k}={v!r}" for k, v in settings.items()]
+    return f"{name}({', '.join(words)})"
 
 
 def check_hook(hook: Any, /) -> Hook:
@@ -156,4 +180,4 @@ def chain(*hooks: Hook) -> Hook:
             new_state.append(hook_state)
         return buckets, tuple(new_state)
 
-    return Hook(init, apply)
+    return Hook(init, apply, spec_of("chain", *(hook_spec(h) for h in hooks)))

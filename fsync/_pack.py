@@ -35,13 +35,28 @@ def flat(leaf: torch.Tensor | None, spec: LeafSpec, dtype: torch.dtype) -> torch
     return leaf if leaf.dtype == dtype else leaf.to(dtype)
 
 
-def pack_leaves(leaves: Sequence[torch.Tensor | None], plan: BucketPlan) -> list[torch.Tensor]:
-    """The buffers of already flattened, already checked leaves."""
-    return [_pack_bucket(leaves, plan, spec) for spec in plan.specs]
+def pack_leaves(
+    leaves: Sequence[torch.Tensor | None],
+    plan: BucketPlan,
+    *,
+    after: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """The buffers of already flattened, already checked leaves.
+
+    ``after``, a 0-d tensor that is always true (the ranks' agreement computes
+    it), multiplies every dense leaf on its way into its bucket: the same bits
+    (``x * 1`` is ``x``), in the same fused kernel, but under ``torch.compile``
+    every bucket then depends on the agreement, so no bucket collective can be
+    scheduled before it and the agreement is never dropped as unused.
+    """
+    return [_pack_bucket(leaves, plan, spec, after) for spec in plan.specs]
 
 
 def _pack_bucket(
-    leaves: Sequence[torch.Tensor | None], plan: BucketPlan, spec: BucketSpec
+    leaves: Sequence[torch.Tensor | None],
+    plan: BucketPlan,
+    spec: BucketSpec,
+    after: torch.Tensor | None,
 ) -> torch.Tensor:
     if spec.sparse:
         (i,) = spec.leaves
@@ -63,10 +78,14 @@ def _pack_bucket(
     if torch.compiler.is_compiling() and len(parts) <= FUSED_CAT_LEAVES:
         # A plain cat, which inductor fuses with the hook's scaling or cast: one pass.
         flattened = [part if part.dim() == 1 else part.reshape(-1) for part in parts]
+        if after is not None:
+            flattened = [part * after for part in flattened]
         return torch.cat([p if p.dtype == spec.dtype else p.to(spec.dtype) for p in flattened])
     # Many leaves: one opaque concatenation (C++ eagerly, a custom op under compile)
     # whose cost does not grow with the number of leaves in Python or in the compiler.
     buffer = _concat(parts)
+    if after is not None:
+        buffer = buffer * after
     return buffer if buffer.dtype == spec.dtype else buffer.to(spec.dtype)
 
 

@@ -9,9 +9,9 @@ computes the same plan.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import itertools
+import json
 import math
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
@@ -242,6 +242,15 @@ class BucketPlan:
     reduce_dtype: torch.dtype | None = None
     specs: tuple[BucketSpec, ...] = dataclasses.field(init=False, repr=False, compare=False)
     """One [fsync.BucketSpec][] per bucket, in communication order (derived, not compared)."""
+    fingerprint: int = dataclasses.field(init=False, repr=False, compare=False)
+    """A 63-bit digest of the plan, equal on ranks whose plans can talk to each other.
+
+    It covers the tree structure, every leaf's path, shape, dtype, device type
+    and layout, the bucket assignment and the reduce dtype; it leaves out the
+    device index, so ``cuda:0`` on one rank and ``cuda:1`` on another agree."""
+    description: str = dataclasses.field(init=False, repr=False, compare=False)
+    """The plan in words (JSON: structure, each leaf's path and metadata, buckets), which
+    ranks exchange to name what differs when their fingerprints do not agree."""
     skeleton: Any = dataclasses.field(init=False, repr=False, compare=False)
     """The tree with each leaf replaced by its index; see ``structure``."""
 
@@ -267,6 +276,8 @@ class BucketPlan:
         if missing:
             raise ValueError(f"leaves {missing} are in no bucket.")
         object.__setattr__(self, "specs", tuple(specs))
+        object.__setattr__(self, "fingerprint", _fingerprint(self))
+        object.__setattr__(self, "description", _description(self))
         object.__setattr__(
             self, "skeleton", _tree.unflatten(self.treespec, range(len(self.leaves)))
         )
@@ -314,22 +325,6 @@ class BucketPlan:
         """Number of leaves of the tree, ``None`` leaves included."""
         return len(self.leaves)
 
-    @functools.cached_property
-    def fingerprint(self) -> int:
-        """A 63-bit digest of the plan, equal on ranks whose plans can talk to each other.
-
-        It covers the tree structure, every leaf's path, shape, dtype, device type
-        and layout, and the bucket assignment; it leaves out the device index, so
-        ``cuda:0`` on one rank and ``cuda:1`` on another agree.
-        """
-        digest = hashlib.blake2b(digest_size=8)
-        digest.update(repr(self.treespec).encode())
-        for leaf in self.leaves:
-            digest.update(b"\0" + (b"-" if leaf is None else leaf_key(leaf).encode()))
-        digest.update(repr(self.buckets).encode())
-        digest.update(str(self.reduce_dtype).encode())
-        return int.from_bytes(digest.digest(), "big") >> 1
-
     def __repr__(self) -> str:
         leaves, buckets = (
             count(len(self.leaves), "leaf", "leaves"),
@@ -342,6 +337,32 @@ class BucketPlan:
 
     def __str__(self) -> str:
         return plan_table(self)
+
+
+def _fingerprint(plan: BucketPlan) -> int:
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(repr(plan.treespec).encode())
+    for leaf in plan.leaves:
+        digest.update(b"\0" + (b"-" if leaf is None else leaf_key(leaf).encode()))
+    digest.update(repr(plan.buckets).encode())
+    digest.update(str(plan.reduce_dtype).encode())
+    return int.from_bytes(digest.digest(), "big") >> 1
+
+
+def _description(plan: BucketPlan) -> str:
+    paths = [_tree.path_str(p) for p in plan.treespec.paths()]
+    leaves = [
+        [path, "None" if leaf is None else leaf.describe()]
+        for path, leaf in zip(paths, plan.leaves, strict=True)
+    ]
+    return json.dumps(
+        {
+            "structure": repr(plan.treespec),
+            "leaves": leaves,
+            "buckets": [list(b) for b in plan.buckets],
+            "reduce_dtype": str(plan.reduce_dtype),
+        }
+    )
 
 
 def _layout(leaf: LeafSpec, dtype: torch.dtype) -> LeafLayout:

@@ -126,7 +126,12 @@ def _flatten(tree: Any, what: str) -> tuple[list[Any], Structure, Callable[[Sequ
 
 
 def _metas(leaves: Sequence[Any]) -> tuple[_Meta | None, ...]:
-    return tuple(None if t is None else _meta(t) for t in leaves)
+    metas = tuple(None if t is None else _meta(t) for t in leaves)
+    if torch.compiler.is_compiling():
+        for i, meta in enumerate(metas):
+            if meta is not None and any(isinstance(d, torch.SymInt) for d in meta[0]):
+                raise ValueError(_checks.DYNAMIC_SHAPE.format(index=i))
+    return metas
 
 
 def _meta(t: torch.Tensor | SparseLike) -> _Meta:

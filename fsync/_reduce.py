@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 import torch
 
 from fsync import _checks, _comm, _pack, _sparse
-from fsync._agree import control
-from fsync._hook import SyncContext
+from fsync._agree import agree_on
+from fsync._hook import SyncContext, hook_spec
 from fsync._options import SyncOptions
 from fsync._plan import BucketPlan
 from fsync.ops._allreduce import allreduce
@@ -80,12 +80,17 @@ def reduce_buckets(
     *,
     active: bool = True,
     scatter: bool = False,
+    step: torch.Tensor | None = None,
+    state_fingerprint: torch.Tensor | None = None,
 ) -> Reduced:
-    """Control collective, pack, hook, wait: the reduced buffer of every bucket.
+    """Agreement, pack, hook, wait: the reduced buffer of every bucket.
 
-    ``leaves`` must already fit ``plan`` (see ``fit_tree``).
-    With ``scatter`` the hook may return this rank's shard of a bucket instead
-    of all of it (the ZeRO step needs only that).
+    ``leaves`` must already fit ``plan`` (see ``fit_tree``). The ranks first
+    agree (``_agree.agree_on``) on the plan, the options, the sync's sequence
+    number ``step`` (a state's step count) and that ``state_fingerprint`` (the
+    fingerprint of the plan a state was made for) is the plan's. With
+    ``scatter`` the hook may return this rank's shard of a bucket instead of all
+    of it (the ZeRO step needs only that).
     """
     sparse = [spec for spec in plan.specs if spec.sparse]
     if sparse and torch.compiler.is_compiling():
@@ -94,20 +99,24 @@ def reduce_buckets(
         raise TypeError(_checks.SPARSE_UNDER_COMPILE.format(path=leaf.path))
     if not active:
         leaves = [None] * len(leaves)
-    used, divisor = control(
-        leaves,
+    hook = DEFAULT_HOOK if options.hook is None else options.hook
+    (divisor, used), token = agree_on(
         plan,
+        leaves,
         group,
-        active=active,
-        divide_by=options.divide_by,
+        hook=hook_spec(hook),
         find_unused=options.find_unused,
+        divide_by=options.divide_by,
+        active=active,
+        step=step,
+        state_fingerprint=state_fingerprint,
     )
     dense_specs = tuple(spec for spec in plan.specs if not spec.sparse)
     size = _comm.size(group)
     ctx = SyncContext(
         plan, dense_specs, group, _comm.rank(group), size, divisor, scatter=scatter, owned=True
     )
-    buffers = _pack.pack_leaves(leaves, plan)
+    buffers = _pack.pack_leaves(leaves, plan, after=token)
     dense, hook_state = _apply_hook(buffers, plan, options, hook_state, ctx)
     reduced = iter(dense)
     out = [

@@ -17,7 +17,7 @@ from typing_extensions import Unpack
 from fsync import _comm
 from fsync._comm import Collective
 from fsync._options import OptionKeywords, SyncOptions
-from fsync._plan import BucketPlan, MiB
+from fsync._plan import BucketPlan, MiB, count
 from fsync._planner import plan_tree
 from fsync._reduce import init_hook, reduce_buckets
 
@@ -28,12 +28,16 @@ class SyncStats(NamedTuple):
     Attributes:
         buckets: Number of dense buckets.
         bytes_reduced: Bytes of the buckets, what a plain all-reduce sends.
-        bytes_on_wire: Bytes this rank hands to collectives in one step (the
-            payload of each all-reduce, all-gather, reduce-scatter or broadcast,
-            the small control all-reduce of ``find_unused`` or
-            ``divide_by="active"`` included).
-        collectives: Every collective of the step, in order.
+        bytes_on_wire: Bytes this rank hands to the buckets' collectives in one
+            step (the payload of each all-reduce, all-gather, reduce-scatter or
+            broadcast the hook issues).
+        collectives: The buckets' collectives, in order.
         world_size: The world size the step was run for.
+        control: fsync's own collectives of the step, issued before the
+            buckets': the ranks' agreement (one int64 all-reduce of a few
+            elements at every step, whatever the world size), and the per-leaf
+            count of ranks with a gradient where ``find_unused`` is set or a
+            gradient is ``None``.
     """
 
     buckets: int
@@ -41,11 +45,17 @@ class SyncStats(NamedTuple):
     bytes_on_wire: int
     collectives: tuple[Collective, ...]
     world_size: int
+    control: tuple[Collective, ...] = ()
 
     @property
     def num_collectives(self) -> int:
         """The number of collectives one step issues (``len(collectives)``)."""
         return len(self.collectives)
+
+    @property
+    def control_bytes(self) -> int:
+        """Bytes of the control collectives of one step."""
+        return sum(c.nbytes for c in self.control)
 
     @property
     def compression(self) -> float:
@@ -61,7 +71,10 @@ class SyncStats(NamedTuple):
             f"SyncStats: {self.buckets} buckets of {self.bytes_reduced / MiB:.3f} MiB on "
             f"{self.world_size} ranks; {self.num_collectives} collectives put "
             f"{self.bytes_on_wire / MiB:.3f} MiB on the wire per rank "
-            f"(compression {self.compression:.2f}x)" + (f": {ops}" if ops else "")
+            f"(compression {self.compression:.2f}x)"
+            + (f": {ops}" if ops else "")
+            + f"; the ranks' agreement adds {count(len(self.control), 'all-reduce')} of "
+            f"{self.control_bytes} B"
         )
 
 
@@ -107,8 +120,8 @@ def sync_stats(
         >>> stats = fsync.sync_stats({"w": torch.zeros(1024, 256)}, world_size=4)
         >>> stats.bytes_on_wire, stats.num_collectives
         (1048576, 1)
-        >>> fsync.sync_stats({"w": torch.zeros(1024, 256)}, find_unused=True).collectives[0]
-        Collective(op='all_reduce', dtype=torch.int32, numel=2)
+        >>> stats.control  # the ranks' agreement, before the buckets, at every step
+        (Collective(op='all_reduce', dtype=torch.int64, numel=13, control=True),)
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int; got {world_size!r}.")
@@ -139,10 +152,12 @@ def sync_stats(
             init_hook(sync_options, plan) if state is None else state,
             recorder,
         )
+    buckets = tuple(c for c in recorder.calls if not c.control)
     return SyncStats(
         buckets=len(dense),
         bytes_reduced=sum(s.nbytes for s in dense),
-        bytes_on_wire=sum(c.nbytes for c in recorder.calls),
-        collectives=tuple(recorder.calls),
+        bytes_on_wire=sum(c.nbytes for c in buckets),
+        collectives=buckets,
         world_size=world_size,
+        control=tuple(c for c in recorder.calls if c.control),
     )

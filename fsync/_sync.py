@@ -34,6 +34,9 @@ class SyncState(NamedTuple):
         fingerprint: 0-d int64 CPU tensor, the fingerprint of the plan this state
             belongs to, so a state is never silently used with another plan.
         hook: The hook's own state (``()`` for stateless hooks).
+        step: 0-d int64 CPU tensor, the number of syncs done: the sequence
+            number the ranks compare at every sync, which catches a rank that
+            skipped one.
         like: The tree given to ``init``, each tensor leaf replaced by a meta
             tensor of its shape, strides and dtype (no memory): what the plan
             is rebuilt from at every step.
@@ -42,6 +45,7 @@ class SyncState(NamedTuple):
     fingerprint: torch.Tensor
     hook: Any
     like: Any
+    step: torch.Tensor
 
 
 def sync_grads(
@@ -102,8 +106,6 @@ def sync_grads(
     state = init_hook(sync_options, plan)
     if optree.tree_leaves(state, namespace=_tree.NAMESPACE):
         raise ValueError(_checks.STATEFUL_HOOK)
-    if not torch.compiler.is_compiling():
-        verify_plan(plan, group)
     reduced = reduce_buckets(leaves, plan, sync_options, state, group, active=active)
     return rebuild(unpack_reduced(reduced, plan))
 
@@ -182,6 +184,7 @@ class GradSync:
             fingerprint=torch.tensor(plan.fingerprint, dtype=torch.int64),
             hook=init_hook(self.options, plan),
             like=_planner.like(tree),
+            step=torch.zeros((), dtype=torch.int64),
         )
 
     def __call__(
@@ -207,13 +210,18 @@ class GradSync:
         """
         _checks.check_flag("active", active)
         leaves, plan, rebuild = _fit(self, None if grads is None and not active else grads, state)
-        if not torch.compiler.is_compiling() and int(state.fingerprint) != plan.fingerprint:
-            raise ValueError(
-                "state belongs to another plan (its fingerprint differs); pass the state that "
-                "this GradSync's init returned."
-            )
-        reduced = reduce_buckets(leaves, plan, self.options, state.hook, self.group, active=active)
-        return rebuild(unpack_reduced(reduced, plan)), state._replace(hook=reduced.hook_state)
+        reduced = reduce_buckets(
+            leaves,
+            plan,
+            self.options,
+            state.hook,
+            self.group,
+            active=active,
+            step=state.step,
+            state_fingerprint=state.fingerprint,
+        )
+        new_state = state._replace(hook=reduced.hook_state, step=state.step + 1)
+        return rebuild(unpack_reduced(reduced, plan)), new_state
 
 
 def _fit(sync: GradSync, grads: Any, state: SyncState) -> _planner.Planned:

@@ -64,12 +64,15 @@ class ZeroState(NamedTuple):
             count) as they are.
         like: The parameter tree, each leaf a meta tensor of its shape, strides
             and dtype (no memory): what the plan is rebuilt from.
+        step: 0-d int64 CPU tensor, the number of steps done: the sequence
+            number the ranks compare at every step.
     """
 
     layout: torch.Tensor
     hook: Any
     opt: Any
     like: Any
+    step: torch.Tensor
 
 
 class Piece(NamedTuple):
@@ -399,6 +402,7 @@ class ZeroStep:
             init_hook(self.options, plan),
             self.optimizer.init(pieces),
             _planner.like(params),
+            torch.zeros((), dtype=torch.int64),
         )
 
     def load(self, params: Any, full_state: Any, /) -> ZeroState:
@@ -436,6 +440,7 @@ class ZeroStep:
             init_hook(self.options, layout.plan),
             _shard_full(layout, self.optimizer, full_state),
             _planner.like(params),
+            torch.zeros((), dtype=torch.int64),
         )
 
     def __call__(self, params: Any, grads: Any, state: ZeroState, /) -> tuple[Any, ZeroState]:
@@ -465,7 +470,14 @@ class ZeroStep:
                 )
         g_leaves = _fit(self, grads, state, "grads")[0].leaves
         reduced, _, hook_state = reduce_buckets(
-            g_leaves, plan, self.options, state.hook, self.group, scatter=self.shard_buckets
+            g_leaves,
+            plan,
+            self.options,
+            state.hook,
+            self.group,
+            scatter=self.shard_buckets,
+            step=state.step,
+            state_fingerprint=state.layout[0],
         )
         grad_pieces = _grad_pieces(layout, reduced)
         specs = plan.specs
@@ -474,7 +486,8 @@ class ZeroStep:
         _check_pieces(layout, new_pieces)
         buffers = _gather(layout, new_pieces, self.group, [spec.dtype for spec in specs])
         out = _pack.unpack_leaves(buffers, plan)
-        return rebuild(out), state._replace(hook=hook_state, opt=opt_state)
+        new_state = state._replace(hook=hook_state, opt=opt_state, step=state.step + 1)
+        return rebuild(out), new_state
 
 
 def zero(

@@ -96,3 +96,8 @@ def powersgd_full_rank_bound(
     matmuls = math.sqrt(r) * (gamma(cols, dtype) + gamma(rows, dtype) + gamma(r, dtype))
     qr = (1 + 2 * math.sqrt(r)) * gamma(rows * cols, dtype)
     return norm * (matmuls + qr + 2 * world_size * eps)
+
+
+# The ranks' agreement, which every sync sends before its buckets: one all-reduce of 13
+# int64 (see fsync/_agree.py), as (op, dtype, numel).
+AGREEMENT = ("all_reduce", torch.int64, 13)

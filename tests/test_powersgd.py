@@ -185,9 +185,10 @@ def _on_rank_wire_numel(batched, rank_):
     sizes = []
     original = _comm.all_reduce
 
-    def recording(x, op, group):
-        sizes.append(x.numel())
-        return original(x, op, group)
+    def recording(x, op, group, **kwargs):
+        if not kwargs.get("control"):  # the buckets' collectives, not the ranks' agreement
+            sizes.append(x.numel())
+        return original(x, op, group, **kwargs)
 
     _comm.all_reduce = recording
     try:
@@ -366,8 +367,10 @@ def _on_rank_ddp_parity(rank_, batched):
     worst = 0.0
     sizes = []
     original_all_reduce, original_orthogonalize = _comm.all_reduce, ddp_powersgd._orthogonalize
+    # The buckets' all-reduces, not the ranks' agreement (control).
     _comm.all_reduce = lambda x, *args, **kwargs: (
-        sizes.append(x.numel()) or original_all_reduce(x, *args, **kwargs)
+        (None if kwargs.get("control") else sizes.append(x.numel()))
+        or original_all_reduce(x, *args, **kwargs)
     )
     ddp_powersgd._orthogonalize = _orthogonalize_2d_too(original_orthogonalize)
     try:

@@ -151,9 +151,9 @@ def _on_rank_wire(bits, per_channel):
         calls.append(("all_gather", x.numel() * x.element_size(), x.dtype))
         return originals[0](x, group)
 
-    def reduce(x, op, group):
+    def reduce(x, op, group, **kwargs):
         calls.append(("all_reduce", x.numel() * x.element_size(), x.dtype))
-        return originals[1](x, op, group)
+        return originals[1](x, op, group, **kwargs)
 
     _comm.all_gather, _comm.all_reduce = gather, reduce
     try:
@@ -178,9 +178,9 @@ def test_one_all_gather_of_the_quantised_bucket_and_its_scales(world: World, bit
         # bits per value, rounded up to whole bytes, and a float32 scale and zero point
         # per channel.
         expected.append(("all_gather", math.ceil(values * bits / 8) + 8 * channels, torch.uint8))
-    # sync_grads first checks that the ranks agree on the plan (a 64-bit fingerprint).
+    # sync_grads first has the ranks agree (one all-reduce of 13 int64), then the buckets.
     check, *calls = calls
-    assert check == ("all_gather", 8, torch.int64)
+    assert check == ("all_reduce", 13 * 8, torch.int64)
     assert calls == expected
     if bits == 8 and not per_channel:  # a quarter of the float32 payload, plus 8 bytes
         assert [c[1] for c in calls] == [n + 8 for n in numels]

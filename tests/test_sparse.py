@@ -48,8 +48,9 @@ def _on_rank_sparse():
     for name, ref in expected.items():
         assert_same_as_ddp(synced[name].to_dense(), ref.to_dense(), parts[name], name)
 
-    # A rank may have no entries at all, and GradSync treats a None sparse leaf as empty.
-    sync = fsync.GradSync()
+    # A rank may have no gradient at all for the embedding: with find_unused (DDP's
+    # find_unused_parameters) the others' entries are averaged with nothing from it.
+    sync = fsync.GradSync(find_unused=True)
     state = sync.init(grads)
     empty = {**grads, "emb.weight": None} if rank == 0 else grads
     out, _ = sync(empty, state)

@@ -72,21 +72,33 @@ def test_reduce_dtype_option():
         fsync.sync_stats(_tree(), reduce_dtype=torch.int32)
 
 
+# The ranks' agreement: one all-reduce of 13 int64 at every step (active, four 16-bit
+# chunks of the fingerprint and their squares, the step and its square, two flags).
+AGREEMENT = Collective("all_reduce", torch.int64, 13, control=True)
+
+
 @pytest.mark.parametrize(
-    ("options", "numel"),
-    [({"find_unused": True}, 3 + 1), ({"divide_by": "active"}, 1)],
-    ids=["find_unused", "active"],
+    ("options", "control"),
+    [
+        ({}, (AGREEMENT,)),
+        ({"divide_by": "active"}, (AGREEMENT,)),
+        # One count per tensor leaf (None leaves send none), after the agreement.
+        ({"find_unused": True}, (AGREEMENT, Collective("all_reduce", torch.int64, 3, True))),
+    ],
+    ids=["world", "active", "find_unused"],
 )
-def test_counts_the_control_collective(options, numel):
-    tree = {**_tree(), "frozen": None}  # three tensor leaves; None leaves send no flag
+def test_counts_the_control_collectives(options, control):
+    tree = {**_tree(), "frozen": None}  # three tensor leaves
     plain = fsync.sync_stats(tree, world_size=4)
     stats = fsync.sync_stats(tree, world_size=4, **options)
-    # The control all-reduce comes first; the buckets are unchanged.
-    assert stats.collectives == (Collective("all_reduce", torch.int32, numel), *plain.collectives)
-    assert stats.bytes_on_wire == plain.bytes_on_wire + numel * 4
-    assert stats.bytes_reduced == plain.bytes_reduced and stats.buckets == plain.buckets
-    assert "1 x all_reduce int32" in str(stats)
-    assert fsync.sync_stats(tree, world_size=1, **options).num_collectives == 0
+    # The control collectives come first and apart; the buckets are unchanged.
+    assert stats.control == control
+    assert stats.collectives == plain.collectives
+    assert stats.bytes_on_wire == plain.bytes_on_wire and stats.compression == 1.0
+    assert stats.control_bytes == sum(c.numel for c in control) * 8
+    assert f"agreement adds {len(control)} all-reduce" in str(stats)
+    one = fsync.sync_stats(tree, world_size=1, **options)
+    assert one.num_collectives == 0 and one.control == ()
 
 
 @pytest.mark.parametrize(
@@ -95,14 +107,16 @@ def test_counts_the_control_collective(options, numel):
 def test_stats_match_a_recorded_gradsync_step(single_rank, options):
     """sync_stats counts what GradSync really issues (its control collective included)."""
     params = {**_tree(), "frozen": None}
-    grads = {**params, "b": None}  # unused on this rank
+    # Unused on this rank where find_unused allows it (without it, a None gradient costs
+    # the step a count of ranks per leaf, which sync_stats, given no gradients, cannot see).
+    grads = {**params, "b": None} if options.get("find_unused") else params
     recorder = fsync._comm.Recorder(3)
     sync = fsync.GradSync(group=recorder, **options)
     state = sync.init(params)
     start = len(recorder.calls)  # after init's plan check
     sync(grads, state)
     stats = fsync.sync_stats(params, world_size=3, **options)
-    assert stats.collectives == tuple(recorder.calls[start:])
+    assert (*stats.control, *stats.collectives) == tuple(recorder.calls[start:])
 
 
 def test_option_errors():

@@ -409,16 +409,10 @@ def test_world_size_one_issues_no_collective(world: World):
     for per_rank in issued:
         assert all(per_rank.values()), per_rank
         ops = {name: _functional_ops(names) for name, names in per_rank.items()}
-        # One bucket: one all-reduce per steady-state sync (in place, the sync owning its
-        # buffers), after a control all-reduce for divide_by="active" or find_unused (whose
-        # GradSync.init checks the plan with an all-gather first). sync_grads, which keeps
-        # nothing between calls, checks its plan with that all-gather on every eager call.
-        reduce, control, check = (
-            "_c10d_functional::all_reduce_",
-            "_c10d_functional::all_reduce",
-            "_c10d_functional::all_gather_into_tensor",
-        )
-        assert ops["GradSync"] == [reduce]
-        assert ops["sync_grads"] == [check, reduce]
-        assert ops["inactive"] == [check, control, reduce]
-        assert ops["find_unused"] == [check, control, reduce]
+        # One bucket: one all-reduce per sync (in place, the sync owning its buffers),
+        # after the ranks' agreement (an all-reduce of 13 int64) that every sync starts
+        # with; GradSync.init agrees on the plan the same way, and find_unused adds an
+        # all-reduce of per-leaf counts. Sorted by name, so the in-place reduce is last.
+        reduce, control = "_c10d_functional::all_reduce_", "_c10d_functional::all_reduce"
+        assert ops["GradSync"] == ops["sync_grads"] == ops["inactive"] == [control, reduce]
+        assert ops["find_unused"] == [control, control, control, reduce]

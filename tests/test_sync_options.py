@@ -69,10 +69,15 @@ def _on_rank_unused():
         assert_same_as_ddp(synced[name], ref, parts[name], name)
     assert synced["only_rank0.weight"] is not None  # used on rank 0 only: averaged
 
-    # Without find_unused a None gradient is a zero gradient: same values, never None.
-    plain, _ = (s := fsync.GradSync()).__call__(grads, s.init(params_of(model)))
-    assert torch.count_nonzero(plain["never.weight"]) == 0
-    assert torch.equal(plain["only_rank0.weight"], synced["only_rank0.weight"])
+    # Without find_unused, DDP's semantics or an error on every rank: a leaf unused on
+    # every rank comes back None; one unused on some ranks only is an error, naming it.
+    plain = fsync.GradSync()
+    unused_everywhere = {**grads, "only_rank0.weight": None, "only_rank0.bias": None}
+    out, _ = plain(unused_everywhere, plain.init(params_of(model)))
+    assert out["never.weight"] is None and out["only_rank0.weight"] is None
+    assert torch.equal(out["trunk.weight"], synced["trunk.weight"])
+    with pytest.raises(ValueError, match=r"leaf 'only_rank0.weight' has a gradient on rank 0 "):
+        plain(grads, plain.init(params_of(model)))
 
     compiled = torch.compile(lambda g, st: sync(g, st), fullgraph=True)
     with pytest.raises(Exception, match=r"find_unused=True cannot run inside torch\.compile"):
@@ -256,16 +261,17 @@ def _steps_recorded(params, grads, **options):
     return steps, buckets
 
 
+_AGREEMENT = Collective("all_reduce", torch.int64, 13, control=True)
+_COUNTS = Collective("all_reduce", torch.int64, 3, control=True)
+
+
 @pytest.mark.parametrize(
     ("options", "control"),
     [
-        ({}, []),
-        ({"find_unused": True}, [Collective("all_reduce", torch.int32, 3 + 1)]),
-        ({"divide_by": "active"}, [Collective("all_reduce", torch.int32, 1)]),
-        (
-            {"find_unused": True, "divide_by": "active"},
-            [Collective("all_reduce", torch.int32, 3 + 1)],
-        ),
+        ({}, [_AGREEMENT, _COUNTS]),
+        ({"find_unused": True}, [_AGREEMENT, _COUNTS]),
+        ({"divide_by": "active"}, [_AGREEMENT, _COUNTS]),
+        ({"find_unused": True, "divide_by": "active"}, [_AGREEMENT, _COUNTS]),
     ],
     ids=["world", "find_unused", "active", "both"],
 )
@@ -281,6 +287,6 @@ def test_control_collective_only_when_needed(single_rank, options, control):
     grads = {**params, "w": torch.ones(64, 32), "b": None}
     steps, buckets = _steps_recorded(params, grads, **options)
     assert len(buckets) == 2
-    # One int32 per tensor leaf and one for "active" (only that one for divide_by), before
-    # the buckets, every step; none at all with find_unused=False and divide_by="world".
-    assert steps == [control + buckets] * 2
+    # The agreement, then (a gradient being None on this rank, or find_unused) one int64
+    # count per tensor leaf, before the buckets, every step; a step is nothing else.
+    assert steps == [[*control, *buckets]] * 2

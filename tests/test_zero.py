@@ -20,6 +20,7 @@ import fsync
 from fsync import _comm, _tree
 from fsync._pack import shard_numel
 from tests._models import func_loss, params_of, ref_batch, ref_loss, ref_model
+from tests._numerics import AGREEMENT
 from tests._world import World
 
 STEPS = 10
@@ -328,7 +329,8 @@ def _on_rank_bf16_compress(shard_buckets):
             grads = grads if rank == 0 else {k: torch.zeros_like(v) for k, v in grads.items()}
         with _wire() as sent:
             params, state = step(params, grads, state)
-        assert sent == grads_sent + params_sent, sent  # one bf16 collective per bucket
+        # The ranks' agreement, then one bf16 collective per bucket.
+        assert sent == [AGREEMENT, *grads_sent, *params_sent], sent
         for k, parts in _gathered(grads).items():
             # Two ranks: a * 0.5 is exact and a + b one rounding in either order, so
             # gloo's sum and torch's agree bit for bit. Three: x * (1/3) + 0 + 0.

@@ -7,7 +7,7 @@ from typing import Any, Literal
 import torch
 
 from fsync import _comm
-from fsync._hook import Buckets, Hook, SyncContext
+from fsync._hook import Buckets, Hook, SyncContext, spec_of
 from fsync._pack import pad_to_shards
 
 
@@ -60,4 +60,4 @@ def allreduce(op: Literal["mean", "sum"] = "mean") -> Hook:
                 out.append(_comm.all_reduce(b, "sum", ctx.group, inplace=fresh))
         return out, state
 
-    return Hook(init, apply)
+    return Hook(init, apply, spec_of("allreduce", op=op))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fsync._checks import check_floating
-from fsync._hook import Buckets, Hook, SyncContext, check_hook
+from fsync._hook import Buckets, Hook, SyncContext, check_hook, hook_spec, spec_of
 from fsync._plan import BucketPlan, BucketSpec
 from fsync.ops._allreduce import allreduce
 
@@ -69,7 +69,7 @@ def _compress(name: str, dtype: torch.dtype, inner: Hook | None) -> Hook:
         # Element-wise, so a shard (ctx.scatter) is cast back as well as a whole bucket.
         return [o.to(spec.dtype) for o, spec in zip(out, ctx.buckets, strict=True)], state
 
-    return Hook(init, apply)
+    return Hook(init, apply, spec_of(name, hook_spec(inner)))
 
 
 def fp16_compress(inner: Hook | None = None) -> Hook:

@@ -32,7 +32,7 @@ import torch
 
 from fsync import _comm
 from fsync._checks import check_floating
-from fsync._hook import Buckets, Hook, SyncContext
+from fsync._hook import Buckets, Hook, SyncContext, spec_of
 from fsync._plan import BucketPlan, BucketSpec
 from fsync._serialization import register_state
 
@@ -574,7 +574,7 @@ def powersgd(
     def layout_of(plan: BucketPlan, spec: BucketSpec) -> _Layout:
         return _per_leaf_layout(plan, spec, rank, min_compression_rate)
 
-    return _powersgd(
+    hook = _powersgd(
         "powersgd",
         layout_of,
         start_step=start_step,
@@ -583,6 +583,10 @@ def powersgd(
         orthogonalization_epsilon=orthogonalization_epsilon,
         seed=seed,
     )
+    settings = dict(start_step=start_step, min_compression_rate=min_compression_rate)
+    settings |= dict(error_feedback=error_feedback, warm_start=warm_start, seed=seed)
+    settings |= dict(orthogonalization_epsilon=orthogonalization_epsilon)
+    return hook._replace(spec=spec_of("powersgd", rank, **settings))
 
 
 def batched_powersgd(
@@ -644,7 +648,7 @@ def batched_powersgd(
     def layout_of(plan: BucketPlan, spec: BucketSpec) -> _Layout:
         return _batched_layout(plan, spec, rank, min_compression_rate)
 
-    return _powersgd(
+    hook = _powersgd(
         "batched_powersgd",
         layout_of,
         start_step=start_step,
@@ -653,3 +657,7 @@ def batched_powersgd(
         orthogonalization_epsilon=orthogonalization_epsilon,
         seed=seed,
     )
+    settings = dict(start_step=start_step, min_compression_rate=min_compression_rate)
+    settings |= dict(error_feedback=error_feedback, warm_start=warm_start, seed=seed)
+    settings |= dict(orthogonalization_epsilon=orthogonalization_epsilon)
+    return hook._replace(spec=spec_of("batched_powersgd", rank, **settings))

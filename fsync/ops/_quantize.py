@@ -16,7 +16,7 @@ import torch
 
 from fsync import _comm
 from fsync._checks import check_floating
-from fsync._hook import Buckets, Hook, SyncContext
+from fsync._hook import Buckets, Hook, SyncContext, spec_of
 
 BITS = (1, 2, 4, 8)
 # The observer's floor on the scale, so that a constant bucket does not divide by zero.
@@ -138,4 +138,5 @@ def quantize(bits: int = 8, *, per_channel: bool = False, channel_size: int = 51
         check_floating("quantize", ctx.plan, ctx.buckets)
         return [reduce(b, ctx) for b in buckets], state
 
-    return Hook(init, apply)
+    settings = {"per_channel": per_channel, "channel_size": channel_size}
+    return Hook(init, apply, spec_of("quantize", bits=bits, **settings))
