@@ -24,6 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
 from benchmarks.models import Workload
+from benchmarks.report import AGREEMENT
+from fsync import _agree
 
 LR = 1e-3
 
@@ -157,6 +159,18 @@ def case_step_time(
     results["fsync eager"] = median_ms(run(functional_step(True)), warmup=warmup, steps=steps)
     compiled("fsync compiled", sync=True, overlap=False)
     compiled("fsync compiled + overlap", sync=True, overlap=True)
+    # What every sync adds to be safe: the ranks' agreement (one all-reduce of 13 int64 and
+    # its check), eager or compiled alike, timed alone to set beside the step.
+    plan = fsync.plan_buckets(params)
+    leaves = list(params.values())
+    hook = fsync.ops.allreduce().spec
+    results[AGREEMENT] = median_ms(
+        lambda: _agree.agree_on(
+            plan, leaves, None, hook=hook, find_unused=False, divide_by="world", active=True
+        ),
+        warmup=warmup,
+        steps=steps,
+    )
     return results, overlap_counts
 
 

@@ -6,6 +6,8 @@ import pathlib
 from typing import Any
 
 PURE_MEAN = "scaled copy + flat all-reduce (pure mean)"
+# The step table's row for the ranks' agreement (benchmarks/cases.py writes it).
+AGREEMENT = "the ranks' agreement alone (in every sync)"
 
 READING = (
     "How to read it. Rows marked *no sync* are floors: the module rows train with "
@@ -35,6 +37,11 @@ def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         out.append((f"{model}: fsync compiled <= 0.85 x DDP eager", _ratio(ratio), ratio <= 0.85))
         ratio = row["fsync compiled + overlap"] / row["DDP compiled"]
         out.append((f"{model}: fsync compiled <= DDP compiled", _ratio(ratio), ratio <= 1.0))
+        if AGREEMENT in row:
+            for setting in ("fsync eager", "fsync compiled + overlap"):
+                share = row[AGREEMENT] / row[setting]
+                text = f"{model}: the ranks' agreement < 1% of the {setting} step"
+                out.append((text, f"{share:.2%}", share < 0.01))
     if "sync" in results:
         sync = results["sync"]
         for mode in ("compiled", "eager"):

@@ -35,6 +35,7 @@ Owns: what ranks compare and the words for how they differ. May import:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ import torch
 
 from fsync import _checks, _comm
 from fsync._plan import BucketPlan
-from fsync._planner import python_at_trace_time
+from fsync._planner import PLAN_CACHE_SIZE, python_at_trace_time
 
 _FIX = (
     "Every rank must pass the same tree (same structure, shapes, dtypes and layouts) with the "
@@ -81,12 +82,17 @@ class Agreed(NamedTuple):
     used: list[bool] | None
 
 
-@python_at_trace_time
-def fingerprint(plan_fingerprint: int, hook: str, find_unused: bool, divide_by: str) -> int:
-    """The 64-bit digest ranks compare: the plan's fingerprint and the sync options."""
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _digest(plan_fingerprint: int, hook: str, find_unused: bool, divide_by: str) -> int:
     digest = hashlib.blake2b(digest_size=8)
     digest.update(json.dumps([plan_fingerprint, hook, find_unused, divide_by]).encode())
     return int.from_bytes(digest.digest(), "big")
+
+
+@python_at_trace_time
+def fingerprint(plan_fingerprint: int, hook: str, find_unused: bool, divide_by: str) -> int:
+    """The 64-bit digest ranks compare: the plan's fingerprint and the sync options."""
+    return _digest(plan_fingerprint, hook, find_unused, divide_by)
 
 
 def _chunks(value: int) -> list[int]:
@@ -108,6 +114,12 @@ def control_vector(
     fixed = [int(active)]
     for c in _chunks(h):
         fixed += [c, c * c]
+    if not torch.compiler.is_compiling():  # one small tensor from Python numbers
+        seq = 0 if step is None else int(step) % (1 << _CHUNK_BITS)
+        stale = state_fingerprint is not None and int(state_fingerprint) != plan_fingerprint
+        values = [*fixed, seq, seq * seq, int(stale), nones]
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    # Traced: the step and the state's fingerprint are tensors, read at run time.
     head = torch.tensor(fixed, dtype=torch.int64, device=device)
     tail = torch.tensor([0, 0, 0, nones], dtype=torch.int64, device=device)
     if step is not None:
@@ -271,12 +283,19 @@ def _plan_difference(ref: dict[str, Any], other: dict[str, Any], rank: int) -> s
     return None
 
 
-@python_at_trace_time
-def describe(plan_description: str, hook: str, find_unused: bool, divide_by: str, what: str) -> str:
-    """This rank's plan and options in words (JSON), exchanged only on a disagreement."""
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _described(
+    plan_description: str, hook: str, find_unused: bool, divide_by: str, what: str
+) -> str:
     options = {"hook": hook, "find_unused": find_unused, "divide_by": divide_by}
     plan = json.loads(plan_description)
     return json.dumps({"plan": plan, "options": options, "what": what})
+
+
+@python_at_trace_time
+def describe(plan_description: str, hook: str, find_unused: bool, divide_by: str, what: str) -> str:
+    """This rank's plan and options in words (JSON), exchanged only on a disagreement."""
+    return _described(plan_description, hook, find_unused, divide_by, what)
 
 
 @torch.library.custom_op("fsync::agree", mutates_args=())

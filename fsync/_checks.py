@@ -61,6 +61,16 @@ DYNAMIC_SHAPE = (
     "(every rank must send the same bytes). Compile with dynamic=False (fsync.compile does), "
     "or keep the gradients' shapes fixed from one step to the next."
 )
+NO_GRADS = (
+    "grads is None on an active rank; expected a gradient tree. A rank without data this "
+    "step passes active=False (it then contributes zeros and receives the others' mean)."
+)
+SPARSE_NEEDS_DEFAULT_HOOK = (
+    "sparse gradient {path!r} is averaged by fsync itself (an all-gather of its entries), "
+    "not by the hook, so the hook {hook} would not apply to it. Sync sparse gradients with "
+    "the default hook (in a separate sync_grads call), or make them dense "
+    "(nn.Embedding(sparse=False))."
+)
 FIND_UNUSED_NEEDS_STATE = (
     "find_unused is an option of fsync.GradSync, not of sync_grads: a leaf unused on some "
     "ranks is None there, so sync_grads, which plans from the tree it is given, would see "

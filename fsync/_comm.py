@@ -110,6 +110,13 @@ def check_group(group: Group) -> None:
         return
     if isinstance(group, Recorder):
         return
+    placeholder: Any = group  # new_group's value on ranks it leaves out: an int
+    if isinstance(placeholder, int) and placeholder == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the group it was "
+            "given: torch.distributed.new_group(ranks) returns a placeholder on the ranks it "
+            "leaves out. Sync over a group only on its member ranks."
+        )
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"group is a {type(group).__name__}; expected a torch.distributed.ProcessGroup, a "

@@ -111,6 +111,10 @@ def reduce_buckets(
         step=step,
         state_fingerprint=state_fingerprint,
     )
+    if sparse and hook_spec(hook) != DEFAULT_HOOK.spec:
+        leaf = plan.leaves[sparse[0].leaves[0]]
+        assert leaf is not None
+        raise ValueError(_checks.SPARSE_NEEDS_DEFAULT_HOOK.format(path=leaf.path, hook=hook.spec))
     dense_specs = tuple(spec for spec in plan.specs if not spec.sparse)
     size = _comm.size(group)
     ctx = SyncContext(

@@ -209,7 +209,9 @@ class GradSync:
                 grad, or ``state`` belongs to another plan.
         """
         _checks.check_flag("active", active)
-        leaves, plan, rebuild = _fit(self, None if grads is None and not active else grads, state)
+        if grads is None and active:
+            raise ValueError(_checks.NO_GRADS)
+        leaves, plan, rebuild = _fit(self, grads, state)
         reduced = reduce_buckets(
             leaves,
             plan,

@@ -237,3 +237,51 @@ def test_compiled_step_fails_within_the_timeout_when_a_peer_stops(mode):
     assert "process group's timeout" in message
     assert elapsed < PG_TIMEOUT + 20, elapsed
     assert results[1] == (("died", 3) if mode == "dies" else ("ok", "stopped"))
+
+
+# --- misuse that used to end in an abort, garbage or another library's words ------------------
+
+
+def _on_rank_misuse():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    grads = _tree(rank)
+    expected = sum(float(r + 1) for r in range(world_size)) / world_size
+    # Compiled sync_grads of a plain dict with the compression hooks (and in a chain).
+    for hook in (
+        fsync.ops.fp16_compress(),
+        fsync.ops.bf16_compress(),
+        fsync.chain(fsync.ops.noop(), fsync.ops.fp16_compress()),
+    ):
+        step = torch.compile(lambda g, h=hook: fsync.sync_grads(g, hook=h), fullgraph=True)
+        eager = fsync.sync_grads(grads, hook=hook)
+        assert torch.equal(step(grads)["enc.w"], eager["enc.w"])
+        assert torch.equal(eager["enc.w"], torch.full((4, 3), expected))
+    # A hook that returns something else than (buckets, state).
+    no_state = fsync.Hook(lambda plan: (), lambda b, s, c: b)
+    with pytest.raises(TypeError, match=r"hook.apply returned a list; expected a pair"):
+        fsync.sync_grads(grads, hook=no_state)
+    not_a_list = fsync.Hook(lambda plan: (), lambda b, s, c: (3, s))
+    with pytest.raises(TypeError, match=r"hook output: got a int; expected a list with one"):
+        fsync.sync_grads(grads, hook=not_a_list)
+    # A group this rank is not in.
+    solo = dist.new_group([0])
+    if rank != 0:
+        with pytest.raises(ValueError, match=r"is not a member of the group it was given"):
+            fsync.sync_grads(grads, group=solo)
+    # grads=None without active=False.
+    sync = fsync.GradSync()
+    state = sync.init(grads)
+    with pytest.raises(ValueError, match=r"grads is None on an active rank; .* active=False"):
+        sync(None, state)
+    # Sparse gradients are averaged by fsync itself: a hook that would not apply is refused.
+    sparse = {"emb": torch.zeros(6, 2).to_sparse(1), "w": torch.ones(3)}
+    for hook in (fsync.ops.allreduce("sum"), fsync.ops.noop()):
+        with pytest.raises(ValueError, match=r"sparse gradient 'emb' is averaged by fsync"):
+            fsync.sync_grads(sparse, hook=hook)
+    assert fsync.sync_grads(sparse, hook=fsync.ops.allreduce("mean"))["emb"].is_sparse
+    assert torch.equal(fsync.sync_grads(grads)["enc.w"], torch.full((4, 3), expected))
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_misuse_gets_fsync_errors_and_compression_compiles_on_plain_dicts(world: World):
+    world.run(_on_rank_misuse, timeout=400)
