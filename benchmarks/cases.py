@@ -166,7 +166,14 @@ def case_step_time(
     hook = fsync.ops.allreduce().spec
     results[AGREEMENT] = median_ms(
         lambda: _agree.agree_on(
-            plan, leaves, None, hook=hook, find_unused=False, divide_by="world", active=True
+            plan,
+            leaves,
+            None,
+            hook=hook,
+            find_unused=False,
+            divide_by="world",
+            active=True,
+            pack=lambda token: [],  # the agreement alone: nothing packed meanwhile
         ),
         warmup=warmup,
         steps=steps,

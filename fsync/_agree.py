@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -153,12 +153,18 @@ def agree(
     group: _comm.Group,
     description: str,
     find_unused: bool,
+    meanwhile: Callable[[], Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The agreement itself (eager): the summed control vector and per-leaf use counts.
 
-    Raises the same ``ValueError`` on every rank when they disagree.
+    ``meanwhile`` runs while the control all-reduce is on the wire (the sync packs
+    its buckets then). Raises the same ``ValueError`` on every rank when they
+    disagree.
     """
-    summed = _comm.wait(_comm.all_reduce(control.clone(), "sum", group, control=True))
+    pending = _comm.all_reduce(control.clone(), "sum", group, control=True)
+    if meanwhile is not None:
+        meanwhile()
+    summed = _comm.wait(pending)
     values = summed.tolist()
     world_size = _comm.size(group)
     problem = _verdict(values, world_size)
@@ -332,15 +338,17 @@ def agree_on(
     active: bool,
     step: torch.Tensor | None = None,
     state_fingerprint: torch.Tensor | None = None,
-) -> tuple[Agreed, torch.Tensor | None]:
-    """The per-step agreement of one sync; returns what was agreed and a dependency token.
+    pack: Callable[[torch.Tensor | None], list[torch.Tensor]],
+) -> tuple[Agreed, list[torch.Tensor]]:
+    """The per-step agreement of one sync, and the sync's buckets packed by ``pack``.
 
-    Under ``torch.compile`` the token is a 0-d tensor computed from the
-    agreement's result and always true: buckets packed with it (see
-    ``_pack.pack_leaves``) wait for the agreement, which is therefore neither
-    scheduled after a bucket collective nor dropped as unused. Eagerly, where the
-    program order is the order, it is ``None``. With one rank nothing is sent (a
-    state for another plan is still refused eagerly).
+    Eagerly ``pack(None)`` runs while the control all-reduce is on the wire, so a
+    rank packs while its peers finish their step. Under ``torch.compile``
+    ``pack(token)`` runs after the agreement with a 0-d tensor computed from its
+    result and always true: buckets packed with it (see ``_pack.pack_leaves``)
+    wait for the agreement, which is therefore neither scheduled after a bucket
+    collective nor dropped as unused. With one rank nothing is sent (a state for
+    another plan is still refused eagerly).
     """
     world_size = _comm.size(group)
     tensor_leaves = [i for i, spec in enumerate(plan.leaves) if spec is not None]
@@ -351,7 +359,7 @@ def agree_on(
         if eager and state_fingerprint is not None and int(state_fingerprint) != plan.fingerprint:
             raise ValueError(_OTHER_STATE.format(who="rank 0"))
         present = _present(plan, tensor_leaves, None, False, has) if nones else None
-        return Agreed(world_size, present), None
+        return Agreed(world_size, present), pack(None)
     if find_unused and torch.compiler.is_compiling():
         raise ValueError(_checks.FIND_UNUSED_UNDER_COMPILE)
     device = plan.specs[0].device if plan.specs else _comm.default_device(group)
@@ -367,19 +375,21 @@ def agree_on(
     )
     used = torch.tensor(has, dtype=torch.int64, device=device)
     description = describe(plan.description, hook, find_unused, divide_by, "grads")
+    buckets: list[torch.Tensor] = []
     if torch.compiler.is_compiling():
         name = _comm.group_name(group)
         summed, counts = torch.ops.fsync.agree(control, used, name, description, find_unused)
+        buckets = pack(summed[_ACTIVE] >= 0)
     else:
-        summed, counts = agree(control, used, group, description, find_unused)
+        packed = lambda: buckets.extend(pack(None))  # noqa: E731
+        summed, counts = agree(control, used, group, description, find_unused, packed)
     divisor: int | torch.Tensor = world_size
     if divide_by == "active":
         divisor = summed[_ACTIVE].clamp(min=1)
     present = None
     if find_unused or (active and nones):
         present = _present(plan, tensor_leaves, counts, find_unused, has)
-    token = (summed[_ACTIVE] >= 0) if torch.compiler.is_compiling() else None
-    return Agreed(divisor, present), token
+    return Agreed(divisor, present), buckets
 
 
 def _present(

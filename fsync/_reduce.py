@@ -11,6 +11,7 @@ import: everything below it (layers 1 to 6), ``fsync.ops`` for the default hook.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -100,7 +101,7 @@ def reduce_buckets(
     if not active:
         leaves = [None] * len(leaves)
     hook = DEFAULT_HOOK if options.hook is None else options.hook
-    (divisor, used), token = agree_on(
+    (divisor, used), buffers = agree_on(
         plan,
         leaves,
         group,
@@ -110,6 +111,7 @@ def reduce_buckets(
         active=active,
         step=step,
         state_fingerprint=state_fingerprint,
+        pack=functools.partial(_pack_after, leaves, plan),
     )
     if sparse and hook_spec(hook) != DEFAULT_HOOK.spec:
         leaf = plan.leaves[sparse[0].leaves[0]]
@@ -120,7 +122,6 @@ def reduce_buckets(
     ctx = SyncContext(
         plan, dense_specs, group, _comm.rank(group), size, divisor, scatter=scatter, owned=True
     )
-    buffers = _pack.pack_leaves(leaves, plan, after=token)
     dense, hook_state = _apply_hook(buffers, plan, options, hook_state, ctx)
     reduced = iter(dense)
     out = [
@@ -128,6 +129,12 @@ def reduce_buckets(
         for b, spec in zip(buffers, plan.specs, strict=True)
     ]
     return Reduced(out, used, hook_state)
+
+
+def _pack_after(
+    leaves: Sequence[torch.Tensor | None], plan: BucketPlan, token: torch.Tensor | None
+) -> list[torch.Tensor]:
+    return _pack.pack_leaves(leaves, plan, after=token)
 
 
 def unpack_reduced(reduced: Reduced, plan: BucketPlan) -> list[torch.Tensor | None]:
