@@ -304,26 +304,23 @@ def describe(plan_description: str, hook: str, find_unused: bool, divide_by: str
     return _described(plan_description, hook, find_unused, divide_by, what)
 
 
+@python_at_trace_time
+def _op_context(group_name: str, description: str, find_unused: bool) -> str:
+    """The agreement's settings as the one string argument of ``fsync::agree``."""
+    return json.dumps([group_name, description, find_unused])
+
+
 @torch.library.custom_op("fsync::agree", mutates_args=())
 def _agree_op(
-    control: torch.Tensor,
-    used: torch.Tensor,
-    group_name: str,
-    description: str,
-    find_unused: bool,
+    control: torch.Tensor, used: torch.Tensor, context: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    group_name, description, find_unused = json.loads(context)
     summed, counts = agree(control, used, _comm.group_named(group_name), description, find_unused)
     return summed, counts.clone() if counts is used else counts
 
 
 @_agree_op.register_fake
-def _(
-    control: torch.Tensor,
-    used: torch.Tensor,
-    group_name: str,
-    description: str,
-    find_unused: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _(control: torch.Tensor, used: torch.Tensor, context: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(control), torch.empty_like(used)
 
 
@@ -377,8 +374,8 @@ def agree_on(
     description = describe(plan.description, hook, find_unused, divide_by, "grads")
     buckets: list[torch.Tensor] = []
     if torch.compiler.is_compiling():
-        name = _comm.group_name(group)
-        summed, counts = torch.ops.fsync.agree(control, used, name, description, find_unused)
+        context = _op_context(_comm.group_name(group), description, find_unused)
+        summed, counts = torch.ops.fsync.agree(control, used, context)
         buckets = pack(summed[_ACTIVE] >= 0)
     else:
         packed = lambda: buckets.extend(pack(None))  # noqa: E731
