@@ -148,20 +148,6 @@ class TensorMeta(NamedTuple):
     requires_grad: bool
 
 
-def tensor_meta(tensor: torch.Tensor, /) -> TensorMeta:
-    """The ``TensorMeta`` of ``tensor``."""
-    sparse = tensor.layout == torch.sparse_coo
-    return TensorMeta(
-        tuple(tensor.shape),
-        () if tensor.layout != torch.strided else tuple(tensor.stride()),
-        tensor.dtype,
-        tensor.device,
-        tensor.layout,
-        tensor.sparse_dim() if sparse else 0,
-        tensor.requires_grad,
-    )
-
-
 def leaf_spec(path: str, meta: TensorMeta, /) -> LeafSpec:
     """The [LeafSpec][fsync.LeafSpec] of a tensor with metadata ``meta`` found at ``path``."""
     if meta.layout == torch.sparse_coo:

@@ -19,7 +19,7 @@ import torch
 
 from fsync import _checks, _comm, _pack, _sparse
 from fsync._agree import agree_on
-from fsync._hook import SyncContext, hook_spec
+from fsync._hook import Hook, SyncContext, hook_spec
 from fsync._options import SyncOptions
 from fsync._plan import BucketPlan
 from fsync.ops._allreduce import allreduce
@@ -49,9 +49,8 @@ class Reduced(NamedTuple):
 
 
 def _apply_hook(
-    buffers: list[torch.Tensor], plan: BucketPlan, options: SyncOptions, state: Any, ctx: Any
+    buffers: list[torch.Tensor], plan: BucketPlan, hook: Hook, state: Any, ctx: Any
 ) -> tuple[list[torch.Tensor], Any]:
-    hook = DEFAULT_HOOK if options.hook is None else options.hook
     dense = [b for b, spec in zip(buffers, plan.specs, strict=True) if not spec.sparse]
     result = hook.apply(dense, state, ctx)
     if not isinstance(result, tuple) or len(result) != 2:
@@ -100,7 +99,7 @@ def reduce_buckets(
         raise TypeError(_checks.SPARSE_UNDER_COMPILE.format(path=leaf.path))
     if not active:
         leaves = [None] * len(leaves)
-    hook = DEFAULT_HOOK if options.hook is None else options.hook
+    hook = hook_of(options)
     (divisor, used), buffers = agree_on(
         plan,
         leaves,
@@ -122,7 +121,7 @@ def reduce_buckets(
     ctx = SyncContext(
         plan, dense_specs, group, _comm.rank(group), size, divisor, scatter=scatter, owned=True
     )
-    dense, hook_state = _apply_hook(buffers, plan, options, hook_state, ctx)
+    dense, hook_state = _apply_hook(buffers, plan, hook, hook_state, ctx)
     reduced = iter(dense)
     out = [
         _sparse.sparse_mean(b, ctx) if spec.sparse else next(reduced)
@@ -145,7 +144,11 @@ def unpack_reduced(reduced: Reduced, plan: BucketPlan) -> list[torch.Tensor | No
     return out
 
 
+def hook_of(options: SyncOptions) -> Hook:
+    """The options' hook, the default (all-reduce mean) filled in."""
+    return DEFAULT_HOOK if options.hook is None else options.hook
+
+
 def init_hook(options: SyncOptions, plan: BucketPlan) -> Any:
     """The initial state of the options' hook for ``plan``."""
-    hook = DEFAULT_HOOK if options.hook is None else options.hook
-    return hook.init(plan)
+    return hook_of(options).init(plan)

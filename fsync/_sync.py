@@ -22,7 +22,7 @@ from fsync._agree import verify_plan
 from fsync._hook import Hook
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan, LeafSpec
-from fsync._reduce import DEFAULT_HOOK, init_hook, reduce_buckets, unpack_reduced
+from fsync._reduce import hook_of, init_hook, reduce_buckets, unpack_reduced
 from fsync._serialization import register_state
 
 
@@ -155,7 +155,7 @@ class GradSync:
     @property
     def hook(self) -> Hook:
         """The hook in use (the default filled in when none was given)."""
-        return DEFAULT_HOOK if self.options.hook is None else self.options.hook
+        return hook_of(self.options)
 
     def plan(self, state: SyncState, /) -> BucketPlan:
         """The bucket plan of ``state`` (made by [init][fsync.GradSync.init])."""

@@ -55,14 +55,6 @@ def flat_dict(tree: Any, /) -> tuple[tuple[Any, ...], list[Any]] | None:
     return None
 
 
-def flatten_with_paths(tree: Any, /) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
-    """Like ``flatten``, with a readable path string per leaf."""
-    paths, leaves, spec = optree.tree_flatten_with_path(
-        tree, none_is_leaf=True, namespace=NAMESPACE
-    )
-    return [path_str(p) for p in paths], leaves, spec
-
-
 def structure(tree: Any, /) -> optree.PyTreeSpec:
     """The structure ``flatten`` would give ``tree``."""
     return optree.tree_structure(tree, none_is_leaf=True, namespace=NAMESPACE)

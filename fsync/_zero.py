@@ -36,7 +36,7 @@ from fsync._agree import verify_plan
 from fsync._hook import Hook
 from fsync._options import SyncOptions
 from fsync._plan import BucketPlan
-from fsync._reduce import DEFAULT_HOOK, init_hook, reduce_buckets
+from fsync._reduce import hook_of, init_hook, reduce_buckets
 from fsync._serialization import register_state
 from fsync.optim._base import Optimizer
 
@@ -374,7 +374,7 @@ class ZeroStep:
     @property
     def hook(self) -> Hook:
         """The hook the gradient buckets go through (the default filled in)."""
-        return DEFAULT_HOOK if self.options.hook is None else self.options.hook
+        return hook_of(self.options)
 
     def layout(self, state: ZeroState, /) -> ZeroLayout:
         """The ``ZeroLayout`` of ``state``: its plan, owners and pieces."""
