@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsync
+from fsync import _comm
 from tests._world import World
 
 
@@ -65,3 +66,46 @@ def test_group_must_be_initialised(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialised"):
         fsync.sync_grads({"w": torch.ones(1)})
+
+
+def _on_rank_gloo_compositions():
+    # On gloo, fsync's reduce-scatter is an all-to-all plus a local sum and its all-gather
+    # one broadcast per rank (see _comm.on_gloo): checked against c10d's own collectives.
+    rank, n = dist.get_rank(), dist.get_world_size()
+    assert _comm.on_gloo(None)
+    gen = torch.Generator().manual_seed(rank)
+    compiled_rs = torch.compile(_comm.reduce_scatter, fullgraph=True)
+    compiled_ag = torch.compile(_comm.all_gather, fullgraph=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(n * 5, 3, generator=gen).to(dtype)
+        before = x.clone()
+        ref = torch.empty(5, 3, dtype=dtype)
+        dist.reduce_scatter(ref, list(x.chunk(n)))
+        for rs in (_comm.reduce_scatter, compiled_rs):
+            # Two ranks: a + b is one rounding in either order, the same bits as gloo's.
+            # Three: both add three terms in some order; each partial sum rounds once
+            # more than the exact sum, so they differ by at most 2 * (n - 1) ulps of
+            # the sum of magnitudes (gamma_{n-1} bound, both ways).
+            out = _comm.wait(rs(x, "sum", None))
+            if n <= 2:
+                assert torch.equal(out, ref), (dtype, rs)
+            else:
+                magnitude = _comm.wait(_comm.all_reduce(x.abs().float(), "sum", None))[
+                    rank * 5 : (rank + 1) * 5
+                ]
+                eps = torch.finfo(dtype).eps
+                bound = 2 * (n - 1) * eps * magnitude + torch.finfo(dtype).tiny
+                assert ((out.float() - ref.float()).abs() <= bound).all(), (dtype, rs)
+        assert torch.equal(x, before)  # the input is left alone
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x)
+        for ag in (_comm.all_gather, compiled_ag):
+            assert torch.equal(_comm.wait(ag(x, None)), torch.cat(parts)), (dtype, ag)
+    # A scalar gathers into a vector, as c10d's all-gather does.
+    scalar = torch.tensor(float(rank))
+    assert torch.equal(_comm.wait(_comm.all_gather(scalar, None)), torch.arange(n).float())
+
+
+@pytest.mark.parametrize("world", [2, 3], indirect=True)
+def test_gloo_reduce_scatter_and_all_gather_match_c10d(world: World):
+    world.run(_on_rank_gloo_compositions)
