@@ -309,6 +309,45 @@ def broadcast(x: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     return funcol.broadcast(x, src, _funcol_group(group)) if received is None else received
 
 
+def broadcasts(tensors: list[torch.Tensor], sources: list[int], group: Group) -> list[torch.Tensor]:
+    """Tensor ``k`` of rank ``sources[k]`` on every rank, one broadcast each, in this order.
+
+    A receiving rank's tensor gives only the shape and dtype. Under
+    ``torch.compile`` all of them are one opaque op (``fsync::broadcasts``): the
+    ranks' graphs differ (a source computes its tensor, the others do not), and
+    inductor's communication passes would otherwise move a broadcast whose input
+    needs nothing ahead of other collectives on the receiving ranks alone, so
+    that ranks issue collectives in different orders and wait on each other forever.
+    """
+    if not torch.compiler.is_compiling() or size(group) == 1 or isinstance(group, Recorder):
+        return [wait(broadcast(t, src, group)) for t, src in zip(tensors, sources, strict=True)]
+    return _broadcasts_op(tensors, sources, group_name(group))
+
+
+@torch.library.custom_op("fsync::broadcasts", mutates_args=())
+def _broadcasts_op(
+    tensors: list[torch.Tensor], sources: list[int], group: str
+) -> list[torch.Tensor]:
+    pg = group_named(group)
+    me = dist.get_rank(pg)
+    out = [
+        t.clone() if src == me else torch.empty_like(t)
+        for t, src in zip(tensors, sources, strict=True)
+    ]
+    issued = [
+        dist.broadcast(t, dist.get_global_rank(pg, src), group=pg, async_op=True)
+        for t, src in zip(out, sources, strict=True)
+    ]
+    for work in issued:
+        _wait_work(work)
+    return out
+
+
+@_broadcasts_op.register_fake
+def _(tensors: list[torch.Tensor], sources: list[int], group: str) -> list[torch.Tensor]:
+    return [torch.empty_like(t) for t in tensors]
+
+
 def wait(x: torch.Tensor) -> torch.Tensor:
     """Waits for a collective's result and returns it as a plain tensor.
 

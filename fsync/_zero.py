@@ -203,14 +203,13 @@ def _gather(
         gathered = [_comm.all_gather(piece, group) for piece in pieces]
         return [_comm.wait(g)[: spec.numel] for g, spec in zip(gathered, specs, strict=True)]
     mine = iter(pieces)
-    sent = []
-    for owner, spec, dtype in zip(layout.owners, specs, dtypes, strict=True):
-        if owner == layout.rank:
-            tensor = next(mine)
-        else:
-            tensor = torch.empty(spec.numel, dtype=dtype, device=spec.device)
-        sent.append(_comm.broadcast(tensor, owner, group))
-    return [_comm.wait(t) for t in sent]
+    sent = [
+        next(mine)
+        if owner == layout.rank
+        else torch.empty(spec.numel, dtype=dtype, device=spec.device)
+        for owner, spec, dtype in zip(layout.owners, specs, dtypes, strict=True)
+    ]
+    return _comm.broadcasts(sent, list(layout.owners), group)
 
 
 def _grad_pieces(layout: ZeroLayout, reduced: Sequence[torch.Tensor]) -> list[torch.Tensor]:
