@@ -103,7 +103,7 @@ def sync_grads(
     _checks.check_flag("active", active)
     _comm.check_group(group)
     leaves, plan, rebuild = _planner.plan_tree(grads, sync_options.plan)
-    state = init_hook(sync_options, plan)
+    state = init_hook(sync_options, plan, group)
     if optree.tree_leaves(state, namespace=_tree.NAMESPACE):
         raise ValueError(_checks.STATEFUL_HOOK)
     reduced = reduce_buckets(leaves, plan, sync_options, state, group, active=active)
@@ -182,7 +182,7 @@ class GradSync:
         verify_plan(plan, self.group, what="trees passed to GradSync.init")
         return SyncState(
             fingerprint=torch.tensor(plan.fingerprint, dtype=torch.int64),
-            hook=init_hook(self.options, plan),
+            hook=init_hook(self.options, plan, self.group),
             like=_planner.like(tree),
             step=torch.zeros((), dtype=torch.int64),
         )

@@ -399,7 +399,7 @@ class ZeroStep:
         pieces = [pack_range(leaves, plan, p, plan.specs[p.bucket].dtype) for p in layout.pieces]
         return ZeroState(
             layout.tensor(),
-            init_hook(self.options, plan),
+            init_hook(self.options, plan, self.group),
             self.optimizer.init(pieces),
             _planner.like(params),
             torch.zeros((), dtype=torch.int64),
@@ -437,7 +437,7 @@ class ZeroStep:
         _, layout = _plan_params(self, params)
         return ZeroState(
             layout.tensor(),
-            init_hook(self.options, layout.plan),
+            init_hook(self.options, layout.plan, self.group),
             _shard_full(layout, self.optimizer, full_state),
             _planner.like(params),
             torch.zeros((), dtype=torch.int64),
