@@ -271,3 +271,71 @@ def test_world_size_and_micro_batches_are_checked():
         fsync.sync_stats(tree, micro_batches=-1)
     with pytest.raises(ValueError, match="find_unused and"):
         fsync.DeferredSync(find_unused=True)
+
+
+# --- compiled, and the ZeRO step ----------------------------------------------------------
+
+
+def _on_rank_compiled():
+    mesh = _mesh()
+    rank = dist.get_rank()
+    # One bucket of the default size (odd sizes, a None leaf): compile time grows with the
+    # number of buckets, and the eager tests cover several.
+    grads = [_grads(rank, torch.float32, m) for m in range(2)]
+    sync = fsync.GradSync(group=mesh, hook=fsync.ops.bf16_compress())
+    deferred = fsync.DeferredSync(group=mesh)
+
+    def step(micro, sync_state, deferred_state):
+        plain = fsync.sync_grads(micro[0], group=mesh)
+        compressed, sync_state = sync(micro[0], sync_state)
+        for g in micro:
+            deferred_state = deferred.add(g, deferred_state)
+        accumulated, deferred_state = deferred.finish(deferred_state)
+        return plain, compressed, accumulated, sync_state, deferred_state
+
+    compiled = fsync.compile(step)
+    states = (sync.init(grads[0]), deferred.init(grads[0]))
+    eager_states = states
+    for s in range(2):  # the second step runs the same graph: tensor values changed only
+        with torch._dynamo.config.patch(error_on_recompile=s > 0):
+            *out, sync_state, deferred_state = compiled(grads, *states)
+        *ref, eager_sync, eager_deferred = step(grads, *eager_states)
+        # The same collectives on the same bytes, the same elementwise arithmetic: the
+        # compiled step gives the eager step's bits.
+        for got, want in zip(out, ref, strict=True):
+            for name, value in want.items():
+                assert (value is None and got[name] is None) or torch.equal(got[name], value)
+        assert int(sync_state.step) == s + 1 and int(deferred_state.step) == 3 * (s + 1)
+        states, eager_states = (sync_state, deferred_state), (eager_sync, eager_deferred)
+    parts = _everyone(grads[0])
+    _check_mean(out[0], parts, _hierarchical_bound(torch.float32))
+
+
+@pytest.mark.parametrize("world", [4], indirect=True)
+def test_compiled_hierarchical_sync_and_deferred_sync_equal_eager(world: World):
+    world.run(_on_rank_compiled, timeout=500)
+
+
+def _on_rank_zero():
+    mesh = _mesh()
+    grads = _grads(dist.get_rank(), torch.float32)
+    params = {n: None if g is None else torch.zeros_like(g) for n, g in grads.items()}
+    parts = _everyone(grads)
+    for shard_buckets in (True, False):
+        step = fsync.ops.zero(
+            fsync.optim.sgd(1.0), shard_buckets=shard_buckets, group=mesh, **SMALL
+        )
+        new, state = step(params, grads, step.init(params))
+        assert int(state.step) == 1
+        # SGD with lr 1 from zeros: the parameters are minus the synced gradients (a
+        # negation and a subtraction from zero are exact).
+        _check_mean(
+            {n: -p for n, p in new.items() if p is not None},
+            parts,
+            _hierarchical_bound(torch.float32),
+        )
+
+
+@pytest.mark.parametrize("world", [4], indirect=True)
+def test_zero_step_on_a_mesh_updates_with_the_hierarchical_mean(world: World):
+    world.run(_on_rank_zero, timeout=300)
