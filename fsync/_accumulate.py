@@ -22,10 +22,9 @@ from typing_extensions import Unpack
 from fsync import _checks, _comm, _planner, _tree
 from fsync._agree import verify_plan
 from fsync._hierarchy import shard_plan
-from fsync._hook import Hook
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan
-from fsync._reduce import hook_of, init_hook, local_size, reduce_buckets, unpack_reduced
+from fsync._reduce import init_hook, local_size, reduce_buckets, unpack_reduced
 from fsync._serialization import register_state
 
 
@@ -89,6 +88,12 @@ _NOTHING_ADDED = (
     "state = sync.add(grads, state) for each micro-batch first."
 )
 
+_UNSUPPORTED = (
+    "DeferredSync averages over every rank and micro-batch: find_unused and "
+    'divide_by="active" are not supported. Give unused parameters zero gradients, '
+    "or use fsync.accumulate and a GradSync with these options."
+)
+
 
 @register_state
 class DeferredState(NamedTuple):
@@ -121,21 +126,17 @@ class DeferredState(NamedTuple):
 class DeferredSync:
     """Gradient accumulation that crosses nodes once per step: ``init``, ``add``, ``finish``.
 
-    Over ``k`` micro-batches on a 2-D ``DeviceMesh`` (dim 0 across nodes, dim 1
-    within a node, as HSDP names them: replicate and shard), ``add`` packs a
-    micro-batch's gradients into buckets and reduce-scatters each within the
-    node, summing this rank's ``1/local`` shard into the state; ``finish`` runs
-    the hook on the summed shards across nodes (one cross-node reduce per step,
-    whatever ``k``), all-gathers them within the node and returns the mean over
-    all ranks and micro-batches, the same bits on every rank. It is DDP's
-    ``no_sync`` with the slow hop deferred: where ``no_sync`` keeps a full copy
-    of the gradients and sends all of them across nodes, this keeps ``1/local``
-    of them and sends ``1/local`` across. On a 1-D group (every rank a node of
-    its own) ``add`` sums locally and ``finish`` is the whole sync: exactly
-    ``no_sync``. Every ``add`` and ``finish`` starts with the ranks' agreement
-    over the whole group, so a rank that skipped a micro-batch, or passes
-    another tree, is a ``ValueError`` on every rank. Eagerly and under
-    ``torch.compile(fullgraph=True)``.
+    On a 2-D ``DeviceMesh`` (dim 0 across nodes, dim 1 within a node, HSDP's
+    replicate and shard dims), ``add`` reduce-scatters a micro-batch's buckets
+    within the node and sums this rank's ``1/local`` shard into the state;
+    ``finish`` runs the hook on the summed shards across nodes (once per step,
+    whatever the number of micro-batches), all-gathers them within the node and
+    returns the mean over all ranks and micro-batches, the same bits on every
+    rank. DDP's ``no_sync`` keeps all the gradients and sends all of them
+    across; this keeps and sends ``1/local``. On a 1-D group (a node per rank)
+    it is ``no_sync`` itself. Every ``add`` and ``finish`` starts with the
+    ranks' agreement over the whole group: a rank that skipped a micro-batch is
+    a ``ValueError`` on every rank. Eager and under ``torch.compile``.
 
     Args:
         group: A 2-D ``DeviceMesh`` (dims ``(nodes, local)``, with
@@ -168,28 +169,18 @@ class DeferredSync:
     def __init__(self, *, group: _comm.Group = None, **options: Unpack[OptionKeywords]) -> None:
         self.options = SyncOptions.of(options, where="DeferredSync")
         if self.options.find_unused or self.options.divide_by != "world":
-            raise ValueError(
-                "DeferredSync averages over every rank and micro-batch: find_unused and "
-                'divide_by="active" are not supported. Give unused parameters zero gradients, '
-                "or use fsync.accumulate and a GradSync with these options."
-            )
+            raise ValueError(_UNSUPPORTED)
         self.group = group
-
-    @property
-    def hook(self) -> Hook:
-        """The hook in use (the default filled in when none was given)."""
-        return hook_of(self.options)
 
     def plan(self, state: DeferredState, /) -> BucketPlan:
         """The bucket plan of ``state``."""
-        return self._fit(None, state).plan
+        return _fit(self, None, state).plan
 
     def init(self, tree: Any, /) -> DeferredState:
         """Plans the buckets for ``tree``, checks the plan across ranks, returns the state.
 
         Args:
-            tree: A tree shaped like the gradients to come, usually the
-                parameters (only metadata is read).
+            tree: A tree like the gradients to come (only metadata is read).
 
         Returns:
             The initial [fsync.DeferredState][]: zero shards, no micro-batch.
@@ -201,23 +192,14 @@ class DeferredSync:
         _comm.check_group(self.group)
         plan = _planner.plan_tree(tree, self.options.plan, what="tree").plan
         verify_plan(plan, self.group, what="trees passed to DeferredSync.init")
-        for spec in plan.specs:
-            if spec.sparse:
-                leaf = plan.leaves[spec.leaves[0]]
-                assert leaf is not None
-                raise TypeError(
-                    f"tree leaf {leaf.path!r} is sparse; DeferredSync reduce-scatters dense "
-                    "buckets. Use fsync.accumulate and fsync.GradSync for sparse gradients."
-                )
-        shards = shard_plan(plan, local_size(self.group))
+        _check_dense(plan)
+        shards = shard_plan(plan, local_size(self.group)).specs
         return DeferredState(
             fingerprint=torch.tensor(plan.fingerprint, dtype=torch.int64),
             hook=init_hook(self.options, plan, self.group),
             like=_planner.like(tree),
             step=torch.zeros((), dtype=torch.int64),
-            shards=tuple(
-                torch.zeros(s.numel, dtype=s.dtype, device=s.device) for s in shards.specs
-            ),
+            shards=tuple(torch.zeros(s.numel, dtype=s.dtype, device=s.device) for s in shards),
             micro=torch.zeros((), dtype=torch.int64),
         )
 
@@ -225,21 +207,20 @@ class DeferredSync:
         """Adds one micro-batch: reduce-scatters its buckets within the node into the state.
 
         Args:
-            grads: This micro-batch's gradients, shaped like the tree given to
-                [init][fsync.DeferredSync.init] (``None`` leaves count as zeros).
+            grads: This micro-batch's gradients, like the tree given to ``init``
+                (``None`` leaves count as zeros).
             state: The [fsync.DeferredState][] from ``init``, ``add`` or ``finish``.
 
         Returns:
-            The new state; nothing crosses nodes.
+            The new state (nothing crossed nodes).
 
         Raises:
             TypeError: A leaf is not a floating point tensor.
-            ValueError: ``grads`` does not fit the plan, or the ranks disagree
-                (raised on every rank).
+            ValueError: ``grads`` does not fit the plan, or the ranks disagree.
         """
         if grads is None:
             raise ValueError(_checks.NO_GRADS)
-        leaves, plan, _ = self._fit(grads, state)
+        leaves, plan, _ = _fit(self, grads, state)
         reduced = reduce_buckets(
             leaves,
             plan,
@@ -250,10 +231,8 @@ class DeferredSync:
             state_fingerprint=state.fingerprint,
             stage="add",
         )
-        shards = tuple(
-            torch.add(total, shard)
-            for total, shard in zip(state.shards, reduced.buffers, strict=True)
-        )
+        pairs = zip(state.shards, reduced.buffers, strict=True)
+        shards = tuple(torch.add(total, shard) for total, shard in pairs)
         return state._replace(shards=shards, micro=state.micro + 1, step=state.step + 1)
 
     def finish(self, state: DeferredState, /) -> tuple[Any, DeferredState]:
@@ -263,17 +242,15 @@ class DeferredSync:
             state: The state after this step's ``add`` calls.
 
         Returns:
-            ``(grads, state)``: the mean over all ranks and micro-batches, as a tree
-            like the one given to ``init``, and the state for the next step (zero
-            shards, no micro-batch).
+            ``(grads, state)``: the mean over all ranks and micro-batches, a tree like
+            ``init``'s, and the next step's state (zero shards, no micro-batch).
 
         Raises:
-            ValueError: No micro-batch was added, or the ranks disagree (raised on
-                every rank).
+            ValueError: No micro-batch was added, or the ranks disagree.
         """
         if not torch.compiler.is_compiling() and int(state.micro) == 0:
             raise ValueError(_NOTHING_ADDED)
-        _, plan, rebuild = self._fit(None, state)
+        _, plan, rebuild = _fit(self, None, state)
         reduced = reduce_buckets(
             [None] * len(plan.leaves),
             plan,
@@ -294,18 +271,30 @@ class DeferredSync:
         )
         return rebuild(unpack_reduced(reduced, plan)), new_state
 
-    def _fit(self, grads: Any, state: DeferredState) -> _planner.Planned:
-        if not isinstance(state, DeferredState):
+
+def _check_dense(plan: BucketPlan) -> None:
+    for spec in plan.specs:
+        leaf = plan.leaves[spec.leaves[0]]
+        if spec.sparse and leaf is not None:
             raise TypeError(
-                f"state is a {type(state).__name__}; expected the DeferredState returned by "
-                "DeferredSync.init, add or finish."
+                f"tree leaf {leaf.path!r} is sparse; DeferredSync reduce-scatters dense "
+                "buckets. Use fsync.accumulate and fsync.GradSync for sparse gradients."
             )
-        return _planner.fit_like(
-            grads,
-            state.like,
-            self.options.plan,
-            what="grads",
-            default_device=lambda: (
-                state.shards[0].device if state.shards else _comm.default_device(self.group)
-            ),
+
+
+def _fit(sync: DeferredSync, grads: Any, state: DeferredState) -> _planner.Planned:
+    """``grads`` fitted to the plan of ``state`` (rebuilt from its ``like`` tree)."""
+    if not isinstance(state, DeferredState):
+        raise TypeError(
+            f"state is a {type(state).__name__}; expected the DeferredState returned by "
+            "DeferredSync.init, add or finish."
         )
+    return _planner.fit_like(
+        grads,
+        state.like,
+        sync.options.plan,
+        what="grads",
+        default_device=lambda: (
+            state.shards[0].device if state.shards else _comm.default_device(sync.group)
+        ),
+    )

@@ -177,7 +177,7 @@ def _flattened(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def hierarchy(group: Group) -> tuple[Group, Group] | None:
-    """``(across, within)`` for a 2-D mesh (its dims 0 and 1) or a 2-D ``Recorder``; else ``None``."""
+    """``(across, within)``: a 2-D mesh's (or 2-D ``Recorder``'s) dims 0 and 1; else ``None``."""
     if isinstance(group, Recorder):
         return (group.along(0), group.along(1)) if len(group.shape) == 2 else None
     if isinstance(group, DeviceMesh) and group.ndim == 2:

@@ -18,9 +18,9 @@ from typing_extensions import Unpack
 
 from fsync import _comm
 from fsync._comm import Collective
+from fsync._hierarchy import shard_plan
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan, MiB, count
-from fsync._hierarchy import shard_plan
 from fsync._planner import plan_tree
 from fsync._reduce import init_hook, local_size, reduce_buckets
 

@@ -147,10 +147,12 @@ def _on_rank_disagreement(node_differs: bool):
     sync = fsync.DeferredSync(group=mesh)
     state = sync.init({"w": torch.ones(4)})
     state = sync.add({"w": torch.ones(4)}, state)
-    with pytest.raises(ValueError, match="deferred: add on rank 0 but .* deferred: finish on"):
-        if not odd:
-            state = sync.add({"w": torch.ones(4)}, state)
-        sync.finish(state)
+
+    def step_end(state):  # the odd rank finishes while the others add a second micro-batch
+        return sync.finish(state if odd else sync.add({"w": torch.ones(4)}, state))
+
+    with pytest.raises(ValueError, match=r"deferred: add on rank 0 but .* deferred: finish on"):
+        step_end(state)
     # And a hook that differs from one node to the other.
     hook = fsync.ops.bf16_compress() if odd else None
     with pytest.raises(ValueError, match="sync options differ: hook"):
