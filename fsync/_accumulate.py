@@ -24,7 +24,7 @@ from fsync._agree import verify_plan
 from fsync._hierarchy import shard_plan
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan
-from fsync._reduce import init_hook, local_size, reduce_buckets, unpack_reduced
+from fsync._reduce import Reduced, init_hook, local_size, reduce_buckets, unpack_reduced
 from fsync._serialization import register_state
 
 
@@ -221,16 +221,7 @@ class DeferredSync:
         if grads is None:
             raise ValueError(_checks.NO_GRADS)
         leaves, plan, _ = _fit(self, grads, state)
-        reduced = reduce_buckets(
-            leaves,
-            plan,
-            self.options,
-            state.hook,
-            self.group,
-            step=state.step,
-            state_fingerprint=state.fingerprint,
-            stage="add",
-        )
+        reduced = _reduce(self, leaves, plan, state, stage="add")
         pairs = zip(state.shards, reduced.buffers, strict=True)
         shards = tuple(torch.add(total, shard) for total, shard in pairs)
         return state._replace(shards=shards, micro=state.micro + 1, step=state.step + 1)
@@ -251,17 +242,9 @@ class DeferredSync:
         if not torch.compiler.is_compiling() and int(state.micro) == 0:
             raise ValueError(_NOTHING_ADDED)
         _, plan, rebuild = _fit(self, None, state)
-        reduced = reduce_buckets(
-            [None] * len(plan.leaves),
-            plan,
-            self.options,
-            state.hook,
-            self.group,
-            step=state.step,
-            state_fingerprint=state.fingerprint,
-            stage="finish",
-            shards=state.shards,
-            micro=state.micro,
+        nothing = [None] * len(plan.leaves)
+        reduced = _reduce(
+            self, nothing, plan, state, stage="finish", shards=state.shards, micro=state.micro
         )
         new_state = state._replace(
             hook=reduced.hook_state,
@@ -270,6 +253,26 @@ class DeferredSync:
             micro=torch.zeros_like(state.micro),
         )
         return rebuild(unpack_reduced(reduced, plan)), new_state
+
+
+def _reduce(
+    sync: DeferredSync,
+    leaves: list[Any],
+    plan: BucketPlan,
+    state: DeferredState,
+    **stage: Any,
+) -> Reduced:
+    """The one reduce at a ``stage`` of the step, with the state's sequence number."""
+    return reduce_buckets(
+        leaves,
+        plan,
+        sync.options,
+        state.hook,
+        sync.group,
+        step=state.step,
+        state_fingerprint=state.fingerprint,
+        **stage,
+    )
 
 
 def _check_dense(plan: BucketPlan) -> None:
