@@ -520,7 +520,10 @@ def zero(
         shard_buckets: Shard every bucket across ranks (``True``) or give each
             bucket whole to one rank (``False``).
         group: ``None`` for the default group, a ``ProcessGroup``, a 1-D
-            ``DeviceMesh`` or ``(DeviceMesh, dim)``.
+            ``DeviceMesh``, ``(DeviceMesh, dim)``, or a 2-D ``DeviceMesh``
+            ``(nodes, local)``: gradients are then reduced hierarchically (as
+            [fsync.sync_grads][] does) and the ranks of the whole mesh share
+            the update.
         bucket_cap_mb: Bucket size limit in MiB.
         first_bucket_mb: Size limit of the first bucket in MiB.
 
