@@ -170,8 +170,9 @@ def _flattened(mesh: DeviceMesh) -> DeviceMesh:
     """A 2-D mesh as one dim over all of its ranks, in row-major order.
 
     ``DeviceMesh._flatten`` creates its process group once (every rank of the mesh
-    calls it at the same sync) and keeps it on the mesh: later calls return it.
-    Read as Python at trace time, like the group's name.
+    calls it at the same sync, the first that needs the whole mesh) and keeps it on
+    the mesh: later calls return it. Under ``torch.compile`` the agreement reaches it
+    through ``group_name``, which runs as Python at trace time.
     """
     return mesh._flatten()
 

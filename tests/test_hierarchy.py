@@ -284,37 +284,39 @@ def _on_rank_compiled():
     # One bucket of the default size (odd sizes, a None leaf): compile time grows with the
     # number of buckets, and the eager tests cover several.
     grads = [_grads(rank, torch.float32, m) for m in range(2)]
+    params = {n: None if g is None else torch.zeros_like(g) for n, g in grads[0].items()}
     sync = fsync.GradSync(group=mesh, hook=fsync.ops.bf16_compress())
     deferred = fsync.DeferredSync(group=mesh)
+    zero = fsync.ops.zero(fsync.optim.sgd(1.0), group=mesh)
 
-    def step(micro, sync_state, deferred_state):
+    def step(micro, sync_state, deferred_state, zero_state):
         plain = fsync.sync_grads(micro[0], group=mesh)
         compressed, sync_state = sync(micro[0], sync_state)
         for g in micro:
             deferred_state = deferred.add(g, deferred_state)
         accumulated, deferred_state = deferred.finish(deferred_state)
-        return plain, compressed, accumulated, sync_state, deferred_state
+        updated, zero_state = zero(params, micro[0], zero_state)
+        return plain, compressed, accumulated, updated, (sync_state, deferred_state, zero_state)
 
     compiled = fsync.compile(step)
-    states = (sync.init(grads[0]), deferred.init(grads[0]))
+    states = (sync.init(grads[0]), deferred.init(grads[0]), zero.init(params))
     eager_states = states
     for s in range(2):  # the second step runs the same graph: tensor values changed only
         with torch._dynamo.config.patch(error_on_recompile=s > 0):
-            *out, sync_state, deferred_state = compiled(grads, *states)
-        *ref, eager_sync, eager_deferred = step(grads, *eager_states)
+            *out, states = compiled(grads, *states)
+        *ref, eager_states = step(grads, *eager_states)
         # The same collectives on the same bytes, the same elementwise arithmetic: the
         # compiled step gives the eager step's bits.
         for got, want in zip(out, ref, strict=True):
             for name, value in want.items():
                 assert (value is None and got[name] is None) or torch.equal(got[name], value)
-        assert int(sync_state.step) == s + 1 and int(deferred_state.step) == 3 * (s + 1)
-        states, eager_states = (sync_state, deferred_state), (eager_sync, eager_deferred)
+        assert [int(state.step) for state in states] == [s + 1, 3 * (s + 1), s + 1]
     parts = _everyone(grads[0])
     _check_mean(out[0], parts, _hierarchical_bound(torch.float32))
 
 
 @pytest.mark.parametrize("world", [4], indirect=True)
-def test_compiled_hierarchical_sync_and_deferred_sync_equal_eager(world: World):
+def test_compiled_hierarchical_sync_deferred_sync_and_zero_equal_eager(world: World):
     world.run(_on_rank_compiled, timeout=500)
 
 
