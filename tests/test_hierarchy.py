@@ -182,7 +182,10 @@ def _on_rank_deferred(dtype, k):
     for step in range(2):
         for g in micro:
             state = sync.add(g, state)
-        out, state = sync.finish(state)
+        held = [s.clone() for s in state.shards]
+        out, new_state = sync.finish(state)
+        assert all(torch.equal(a, b) for a, b in zip(held, state.shards, strict=True))
+        state = new_state
         assert int(state.micro) == 0 and int(state.step) == (k + 1) * (step + 1)
         # k * W gradients: node sums of k * LOCAL terms, the product by 1/(k W) and the sum
         # across NODES: at most k * W + 1 roundings on any element's path.
