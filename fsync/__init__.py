@@ -7,7 +7,7 @@ under ``torch.compile(fullgraph=True)``. Hooks (``fsync.ops``) transform the buc
 """
 
 from fsync import ops, optim
-from fsync._accumulate import accumulate
+from fsync._accumulate import DeferredState, DeferredSync, accumulate
 from fsync._broadcast import broadcast, sync_buffers
 from fsync._compile import compile
 from fsync._hook import Hook, SyncContext, chain
@@ -24,6 +24,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BucketPlan",
     "BucketSpec",
+    "DeferredState",
+    "DeferredSync",
     "GradSync",
     "Hook",
     "LeafSpec",

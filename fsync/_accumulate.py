@@ -1,12 +1,31 @@
-"""Gradient accumulation: the local half of DDP's ``no_sync``."""
+"""Gradient accumulation: DDP's ``no_sync``, and its hierarchical form that defers the slow hop.
+
+[fsync.accumulate][] sums micro-batches locally and leaves the sync to one call
+at the end. On a 2-D mesh [fsync.DeferredSync][] does better: each
+micro-batch's buckets are reduce-scattered within the node (the fast link) and
+summed into this rank's ``1/local`` shard of them, and the cross-node reduce and
+the all-gather within the node happen once per step, so the bytes that cross
+nodes do not grow with the number of micro-batches, and the accumulated state
+is ``1/local`` of the gradients.
+
+Owns: [fsync.accumulate][], [fsync.DeferredSync][] and [fsync.DeferredState][]. May
+import: every layer below (1 to 6).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from typing_extensions import Unpack
 
-from fsync import _tree
+from fsync import _checks, _comm, _planner, _tree
+from fsync._agree import verify_plan
+from fsync._hierarchy import shard_plan
+from fsync._options import OptionKeywords, SyncOptions
+from fsync._plan import BucketPlan
+from fsync._reduce import Reduced, init_hook, local_size, reduce_buckets, unpack_reduced
+from fsync._serialization import register_state
 
 
 def accumulate(total: Any, grads: Any, /) -> Any:
@@ -62,3 +81,223 @@ def accumulate(total: Any, grads: Any, /) -> Any:
             )
         out.append(torch.add(a, b))
     return _tree.unflatten(spec, out)
+
+
+_NOTHING_ADDED = (
+    "DeferredSync.finish got a state with no micro-batch added since the last finish; call "
+    "state = sync.add(grads, state) for each micro-batch first."
+)
+
+_UNSUPPORTED = (
+    "DeferredSync averages over every rank and micro-batch: find_unused and "
+    'divide_by="active" are not supported. Give unused parameters zero gradients, '
+    "or use fsync.accumulate and a GradSync with these options."
+)
+
+
+@register_state
+class DeferredState(NamedTuple):
+    """What [fsync.DeferredSync][] threads through a step's micro-batches: tensors only.
+
+    Attributes:
+        fingerprint: 0-d int64 CPU tensor, the fingerprint of the plan this state
+            belongs to.
+        hook: The cross-node hook's state, made for the shards' plan on a 2-D mesh.
+        like: The tree given to ``init`` as meta tensors (no memory): what the
+            plan is rebuilt from.
+        step: 0-d int64 CPU tensor, the number of ``add`` and ``finish`` calls
+            done: the sequence number the ranks compare at each of them.
+        shards: Per dense bucket, this rank's shard (``1/local`` of the bucket,
+            zero-padded to ``local`` equal shards) of the sum of the node's
+            micro-batches since the last ``finish``; on a 1-D group, where every
+            rank is a node of its own, the whole bucket of its own sum.
+        micro: 0-d int64 CPU tensor, the micro-batches added since the last
+            ``finish``: the mean divides by it.
+    """
+
+    fingerprint: torch.Tensor
+    hook: Any
+    like: Any
+    step: torch.Tensor
+    shards: tuple[torch.Tensor, ...]
+    micro: torch.Tensor
+
+
+class DeferredSync:
+    """Gradient accumulation that crosses nodes once per step: ``init``, ``add``, ``finish``.
+
+    On a 2-D ``DeviceMesh`` (dim 0 across nodes, dim 1 within a node, HSDP's
+    replicate and shard dims), ``add`` reduce-scatters a micro-batch's buckets
+    within the node and sums this rank's ``1/local`` shard into the state;
+    ``finish`` runs the hook on the summed shards across nodes (once per step,
+    whatever the number of micro-batches), all-gathers them within the node and
+    returns the mean over all ranks and micro-batches, the same bits on every
+    rank. DDP's ``no_sync`` keeps all the gradients and sends all of them
+    across; this keeps and sends ``1/local``. On a 1-D group (a node per rank)
+    it is ``no_sync`` itself. Every ``add`` and ``finish`` starts with the
+    ranks' agreement over the whole group: a rank that skipped a micro-batch is
+    a ``ValueError`` on every rank. Eager and under ``torch.compile``.
+
+    Args:
+        group: A 2-D ``DeviceMesh`` (dims ``(nodes, local)``, with
+            ``mesh_dim_names``), or any group [fsync.GradSync][] takes.
+        **options: The sync options, fields of [fsync.SyncOptions][]: ``hook``
+            runs across nodes on the accumulated shards (``ctx.plan`` is their
+            plan, see [fsync.GradSync][]); the bucket options and
+            ``reduce_dtype`` (the accumulation's dtype too) as for a sync.
+            ``find_unused`` and ``divide_by="active"`` are not supported.
+
+    Attributes:
+        options: The [fsync.SyncOptions][] given, validated.
+        group: The ``group`` given.
+
+    Raises:
+        ValueError: ``find_unused`` or ``divide_by="active"`` was given.
+
+    Example:
+        >>> import torch, fsync
+        >>> params = {"w": torch.zeros(3)}
+        >>> sync = fsync.DeferredSync()  # group=mesh for a 2-D DeviceMesh
+        >>> state = sync.init(params)
+        >>> for g in (1.0, 3.0):  # two micro-batches
+        ...     state = sync.add({"w": torch.full((3,), g)}, state)
+        >>> grads, state = sync.finish(state)
+        >>> grads["w"]  # the mean over ranks and micro-batches
+        tensor([2., 2., 2.])
+    """
+
+    def __init__(self, *, group: _comm.Group = None, **options: Unpack[OptionKeywords]) -> None:
+        self.options = SyncOptions.of(options, where="DeferredSync")
+        if self.options.find_unused or self.options.divide_by != "world":
+            raise ValueError(_UNSUPPORTED)
+        self.group = group
+
+    def plan(self, state: DeferredState, /) -> BucketPlan:
+        """The bucket plan of ``state``."""
+        return _fit(self, None, state).plan
+
+    def init(self, tree: Any, /) -> DeferredState:
+        """Plans the buckets for ``tree``, checks the plan across ranks, returns the state.
+
+        Args:
+            tree: A tree like the gradients to come (only metadata is read).
+
+        Returns:
+            The initial [fsync.DeferredState][]: zero shards, no micro-batch.
+
+        Raises:
+            TypeError: A leaf is sparse.
+            ValueError: The ranks' trees differ (raised on every rank).
+        """
+        _comm.check_group(self.group)
+        plan = _planner.plan_tree(tree, self.options.plan, what="tree").plan
+        verify_plan(plan, self.group, what="trees passed to DeferredSync.init")
+        _check_dense(plan)
+        shards = shard_plan(plan, local_size(self.group)).specs
+        return DeferredState(
+            fingerprint=torch.tensor(plan.fingerprint, dtype=torch.int64),
+            hook=init_hook(self.options, plan, self.group),
+            like=_planner.like(tree),
+            step=torch.zeros((), dtype=torch.int64),
+            shards=tuple(torch.zeros(s.numel, dtype=s.dtype, device=s.device) for s in shards),
+            micro=torch.zeros((), dtype=torch.int64),
+        )
+
+    def add(self, grads: Any, state: DeferredState, /) -> DeferredState:
+        """Adds one micro-batch: reduce-scatters its buckets within the node into the state.
+
+        Args:
+            grads: This micro-batch's gradients, like the tree given to ``init``
+                (``None`` leaves count as zeros).
+            state: The [fsync.DeferredState][] from ``init``, ``add`` or ``finish``.
+
+        Returns:
+            The new state (nothing crossed nodes).
+
+        Raises:
+            TypeError: A leaf is not a floating point tensor.
+            ValueError: ``grads`` does not fit the plan, or the ranks disagree.
+        """
+        if grads is None:
+            raise ValueError(_checks.NO_GRADS)
+        leaves, plan, _ = _fit(self, grads, state)
+        reduced = _reduce(self, leaves, plan, state, stage="add")
+        pairs = zip(state.shards, reduced.buffers, strict=True)
+        shards = tuple(torch.add(total, shard) for total, shard in pairs)
+        return state._replace(shards=shards, micro=state.micro + 1, step=state.step + 1)
+
+    def finish(self, state: DeferredState, /) -> tuple[Any, DeferredState]:
+        """Reduces the accumulated shards across nodes and gathers them: the step's gradients.
+
+        Args:
+            state: The state after this step's ``add`` calls.
+
+        Returns:
+            ``(grads, state)``: the mean over all ranks and micro-batches, a tree like
+            ``init``'s, and the next step's state (zero shards, no micro-batch).
+
+        Raises:
+            ValueError: No micro-batch was added, or the ranks disagree.
+        """
+        if not torch.compiler.is_compiling() and int(state.micro) == 0:
+            raise ValueError(_NOTHING_ADDED)
+        _, plan, rebuild = _fit(self, None, state)
+        nothing = [None] * len(plan.leaves)
+        reduced = _reduce(
+            self, nothing, plan, state, stage="finish", shards=state.shards, micro=state.micro
+        )
+        new_state = state._replace(
+            hook=reduced.hook_state,
+            step=state.step + 1,
+            shards=tuple(torch.zeros_like(s) for s in state.shards),
+            micro=torch.zeros_like(state.micro),
+        )
+        return rebuild(unpack_reduced(reduced, plan)), new_state
+
+
+def _reduce(
+    sync: DeferredSync,
+    leaves: list[Any],
+    plan: BucketPlan,
+    state: DeferredState,
+    **stage: Any,
+) -> Reduced:
+    """The one reduce at a ``stage`` of the step, with the state's sequence number."""
+    return reduce_buckets(
+        leaves,
+        plan,
+        sync.options,
+        state.hook,
+        sync.group,
+        step=state.step,
+        state_fingerprint=state.fingerprint,
+        **stage,
+    )
+
+
+def _check_dense(plan: BucketPlan) -> None:
+    for spec in plan.specs:
+        leaf = plan.leaves[spec.leaves[0]]
+        if spec.sparse and leaf is not None:
+            raise TypeError(
+                f"tree leaf {leaf.path!r} is sparse; DeferredSync reduce-scatters dense "
+                "buckets. Use fsync.accumulate and fsync.GradSync for sparse gradients."
+            )
+
+
+def _fit(sync: DeferredSync, grads: Any, state: DeferredState) -> _planner.Planned:
+    """``grads`` fitted to the plan of ``state`` (rebuilt from its ``like`` tree)."""
+    if not isinstance(state, DeferredState):
+        raise TypeError(
+            f"state is a {type(state).__name__}; expected the DeferredState returned by "
+            "DeferredSync.init, add or finish."
+        )
+    return _planner.fit_like(
+        grads,
+        state.like,
+        sync.options.plan,
+        what="grads",
+        default_device=lambda: (
+            state.shards[0].device if state.shards else _comm.default_device(sync.group)
+        ),
+    )

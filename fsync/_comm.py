@@ -3,10 +3,11 @@
 Collectives go through ``torch.distributed._functional_collectives``, which run
 eagerly (returning tensors that wait on first use) and trace under
 ``torch.compile`` into c10d functional ops the compiler can schedule. A group
-is a ``ProcessGroup``, a 1-D ``DeviceMesh``, a ``(DeviceMesh, dim)`` pair or
-``None`` for the default group; a ``Recorder`` stands in
-for one where a sync is measured rather than run. With one rank no collective is
-issued.
+is a ``ProcessGroup``, a 1-D ``DeviceMesh``, a ``(DeviceMesh, dim)`` pair, a
+2-D ``DeviceMesh`` (dim 0 across nodes, dim 1 within a node: its collectives run
+over all of its ranks, and ``hierarchy`` names its two dims for a hierarchical
+reduce) or ``None`` for the default group; a ``Recorder`` stands in for one where
+a sync is measured rather than run. With one rank no collective is issued.
 
 Owns: every call into ``torch.distributed`` and the differences between torch
 releases. May import: torch only (layer 1, the bottom of fsync).
@@ -44,6 +45,9 @@ class Collective(NamedTuple):
     dtype: torch.dtype
     numel: int
     control: bool = False
+    dim: int | None = None
+    """The mesh dim the collective ran over (0 across nodes, 1 within a node); ``None``
+    for a whole group."""
 
     @property
     def nbytes(self) -> int:
@@ -64,19 +68,38 @@ class Recorder:
         world_size: The number of ranks the recorded collectives are sized for.
         rank: The rank this process plays.
         calls: The collectives issued so far, in order.
+        shape: ``(nodes, local)`` when the recorder stands in for a 2-D mesh (see
+            ``hierarchy``), else ``()``.
+        dim: The mesh dim this recorder stands for (one of a 2-D recorder's
+            ``hierarchy``), else ``None``.
     """
 
-    def __init__(self, world_size: int, rank: int = 0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        rank: int = 0,
+        *,
+        shape: tuple[int, ...] = (),
+        dim: int | None = None,
+        calls: list[Collective] | None = None,
+    ) -> None:
         self.world_size = world_size
         self.rank = rank
-        self.calls: list[Collective] = []
+        self.shape = shape
+        self.dim = dim
+        self.calls: list[Collective] = [] if calls is None else calls
 
     def record(self, op: str, x: torch.Tensor, *, control: bool = False) -> None:
         """Appends one collective of ``op`` on ``x`` to ``calls``."""
-        self.calls.append(Collective(op, x.dtype, x.numel(), control))
+        self.calls.append(Collective(op, x.dtype, x.numel(), control, self.dim))
+
+    def along(self, dim: int) -> Recorder:
+        """The recorder of one dim of a 2-D recorder: it appends to the same ``calls``."""
+        return Recorder(self.shape[dim], 0, dim=dim, calls=self.calls)
 
     def __repr__(self) -> str:
-        return f"Recorder(world_size={self.world_size}, rank={self.rank})"
+        shape = f", shape={self.shape}" if self.shape else ""
+        return f"Recorder(world_size={self.world_size}, rank={self.rank}{shape})"
 
 
 Group = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | Recorder | None
@@ -103,10 +126,17 @@ def check_group(group: Group) -> None:
             )
         return
     if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
+        if group.ndim > 2:
             raise ValueError(
                 f"a {group.ndim}-D DeviceMesh needs a dim: pass group=(mesh, dim) with the "
-                "data-parallel dimension."
+                "data-parallel dimension, or a 2-D mesh of it (nodes, local) for a "
+                "hierarchical reduce."
+            )
+        if group.ndim == 2 and not group.mesh_dim_names:
+            raise ValueError(
+                "a 2-D DeviceMesh needs mesh_dim_names, which fsync's collectives over the whole "
+                "mesh rely on: build it with init_device_mesh(device_type, (nodes, local), "
+                'mesh_dim_names=("node", "local")).'
             )
         return
     if isinstance(group, Recorder):
@@ -128,10 +158,33 @@ def check_group(group: Group) -> None:
 
 
 def _mesh_dim(group: Group) -> tuple[DeviceMesh, int] | None:
-    """``(mesh, dim)`` for a mesh group (a 1-D mesh is its dim 0), else ``None``."""
+    """``(mesh, dim)`` for a mesh group (a 1-D mesh is its dim 0, a 2-D mesh its
+    flattened form), else ``None``."""
     if isinstance(group, DeviceMesh):
+        if group.ndim == 2:
+            return _flattened(group), 0
         return group, 0
     return group if isinstance(group, tuple) else None
+
+
+def _flattened(mesh: DeviceMesh) -> DeviceMesh:
+    """A 2-D mesh as one dim over all of its ranks, in row-major order.
+
+    ``DeviceMesh._flatten`` creates its process group once (every rank of the mesh
+    calls it at the same sync, the first that needs the whole mesh) and keeps it on
+    the mesh: later calls return it. Under ``torch.compile`` the agreement reaches it
+    through ``group_name``, which runs as Python at trace time.
+    """
+    return mesh._flatten()
+
+
+def hierarchy(group: Group) -> tuple[Group, Group] | None:
+    """``(across, within)``: a 2-D mesh's (or 2-D ``Recorder``'s) dims 0 and 1; else ``None``."""
+    if isinstance(group, Recorder):
+        return (group.along(0), group.along(1)) if len(group.shape) == 2 else None
+    if isinstance(group, DeviceMesh) and group.ndim == 2:
+        return (group, 0), (group, 1)
+    return None
 
 
 def _funcol_group(group: Group) -> Any:
@@ -142,6 +195,8 @@ def size(group: Group) -> int:
     """Number of ranks in ``group``."""
     if isinstance(group, Recorder):
         return group.world_size
+    if isinstance(group, DeviceMesh) and group.ndim == 2:
+        return group.size(0) * group.size(1)
     mesh_dim = _mesh_dim(group)
     return mesh_dim[0].size(mesh_dim[1]) if mesh_dim else dist.get_world_size(process_group(group))
 
@@ -150,6 +205,8 @@ def rank(group: Group) -> int:
     """This process's rank within ``group``."""
     if isinstance(group, Recorder):
         return group.rank
+    if isinstance(group, DeviceMesh) and group.ndim == 2:  # row-major, as flattened
+        return group.get_local_rank(0) * group.size(1) + group.get_local_rank(1)
     mesh_dim = _mesh_dim(group)
     return (
         mesh_dim[0].get_local_rank(mesh_dim[1]) if mesh_dim else dist.get_rank(process_group(group))

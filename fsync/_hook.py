@@ -26,11 +26,16 @@ class SyncContext(NamedTuple):
             the same order (sparse buckets are reduced by fsync itself and never
             reach a hook).
         group: The group to communicate over; pass it to the collectives.
+            On a 2-D mesh the hook runs on the cross-node hop: ``group`` is the
+            mesh's dim 0, the buffers are this rank's shards of the node's sums
+            and ``plan`` is their plan (see the guide "Many nodes").
         rank: This process's rank within ``group``.
         world_size: Number of ranks in ``group``.
         divisor: What a mean divides by: ``world_size`` (an int), or, when
             ranks without data join a sync, the number of contributing ranks
-            (a 0-d tensor). Use ``divide`` rather than reading it.
+            (a 0-d tensor); across nodes, all the mesh's ranks (times the
+            micro-batches of a [fsync.DeferredSync][]). Use ``divide`` rather
+            than reading it.
         scatter: ``True`` when the caller (the ZeRO step) needs only this rank's
             shard of each reduced bucket. A hook may then return, per bucket,
             either the whole reduced bucket or this rank's shard of it: the

@@ -70,7 +70,11 @@ def sync_grads(
         grads: A pytree of floating point gradient tensors (``None`` leaves
             stay ``None``; sparse COO leaves are averaged by all-gather).
         group: ``None`` for the default process group, a ``ProcessGroup``, a
-            1-D ``DeviceMesh`` or a ``(DeviceMesh, dim)`` pair.
+            1-D ``DeviceMesh``, a ``(DeviceMesh, dim)`` pair, or a 2-D
+            ``DeviceMesh`` ``(nodes, local)`` with ``mesh_dim_names``: a
+            hierarchical mean (reduce-scatter within the node, ``hook`` across
+            nodes on the ``1/local`` shards, whose plan its state is made for,
+            all-gather within; see the guide "Many nodes").
         active: ``False`` on a rank that has no data this step (uneven inputs,
             DDP's ``join``): it contributes zeros and receives the result.
         **options: The sync options, fields of [fsync.SyncOptions][]:
@@ -103,7 +107,7 @@ def sync_grads(
     _checks.check_flag("active", active)
     _comm.check_group(group)
     leaves, plan, rebuild = _planner.plan_tree(grads, sync_options.plan)
-    state = init_hook(sync_options, plan)
+    state = init_hook(sync_options, plan, group)
     if optree.tree_leaves(state, namespace=_tree.NAMESPACE):
         raise ValueError(_checks.STATEFUL_HOOK)
     reduced = reduce_buckets(leaves, plan, sync_options, state, group, active=active)
@@ -122,7 +126,11 @@ class GradSync:
 
     Args:
         group: ``None`` for the default process group, a ``ProcessGroup``, a
-            1-D ``DeviceMesh`` or a ``(DeviceMesh, dim)`` pair.
+            1-D ``DeviceMesh``, a ``(DeviceMesh, dim)`` pair, or a 2-D
+            ``DeviceMesh`` ``(nodes, local)`` with ``mesh_dim_names``: a
+            hierarchical mean (reduce-scatter within the node, ``hook`` across
+            nodes on the ``1/local`` shards, whose plan its state is made for,
+            all-gather within; see the guide "Many nodes").
         **options: The sync options, fields of [fsync.SyncOptions][]: ``hook``
             (any [fsync.Hook][], stateful ones included), ``bucket_cap_mb``,
             ``first_bucket_mb``, ``reduce_dtype``, ``order``, ``buckets``,
@@ -182,7 +190,7 @@ class GradSync:
         verify_plan(plan, self.group, what="trees passed to GradSync.init")
         return SyncState(
             fingerprint=torch.tensor(plan.fingerprint, dtype=torch.int64),
-            hook=init_hook(self.options, plan),
+            hook=init_hook(self.options, plan, self.group),
             like=_planner.like(tree),
             step=torch.zeros((), dtype=torch.int64),
         )

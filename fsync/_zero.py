@@ -398,7 +398,7 @@ class ZeroStep:
         pieces = [pack_range(leaves, plan, p, plan.specs[p.bucket].dtype) for p in layout.pieces]
         return ZeroState(
             layout.tensor(),
-            init_hook(self.options, plan),
+            init_hook(self.options, plan, self.group),
             self.optimizer.init(pieces),
             _planner.like(params),
             torch.zeros((), dtype=torch.int64),
@@ -436,7 +436,7 @@ class ZeroStep:
         _, layout = _plan_params(self, params)
         return ZeroState(
             layout.tensor(),
-            init_hook(self.options, layout.plan),
+            init_hook(self.options, layout.plan, self.group),
             _shard_full(layout, self.optimizer, full_state),
             _planner.like(params),
             torch.zeros((), dtype=torch.int64),
@@ -519,7 +519,10 @@ def zero(
         shard_buckets: Shard every bucket across ranks (``True``) or give each
             bucket whole to one rank (``False``).
         group: ``None`` for the default group, a ``ProcessGroup``, a 1-D
-            ``DeviceMesh`` or ``(DeviceMesh, dim)``.
+            ``DeviceMesh``, ``(DeviceMesh, dim)``, or a 2-D ``DeviceMesh``
+            ``(nodes, local)``: gradients are then reduced hierarchically (as
+            [fsync.sync_grads][] does) and the ranks of the whole mesh share
+            the update.
         bucket_cap_mb: Bucket size limit in MiB.
         first_bucket_mb: Size limit of the first bucket in MiB.
 

@@ -29,8 +29,14 @@ def _on_rank_mesh():
     compiled = torch.compile(fsync.sync_grads, fullgraph=True)
     out = compiled(grads, group=(mesh, 0))
     assert torch.equal(out["w"], torch.full((3, 2), (rank + partner) / 2))
-    with pytest.raises(ValueError, match=r"a 2-D DeviceMesh needs a dim: pass group=\(mesh, dim\)"):
-        fsync.sync_grads(grads, group=mesh)
+    # A 2-D mesh is a hierarchical reduce (tests/test_hierarchy.py); it needs its dims' names,
+    # and a mesh of more dims needs the data-parallel one named.
+    unnamed = init_device_mesh("cpu", (2, 2))
+    with pytest.raises(ValueError, match="a 2-D DeviceMesh needs mesh_dim_names"):
+        fsync.sync_grads(grads, group=unnamed)
+    cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    with pytest.raises(ValueError, match=r"a 3-D DeviceMesh needs a dim: pass group=\(mesh, dim\)"):
+        fsync.sync_grads(grads, group=cube)
     with pytest.raises(ValueError, match="mesh dim 2 is out of range for a 2-D DeviceMesh"):
         fsync.sync_grads(grads, group=(mesh, 2))
     with pytest.raises(TypeError, match=r"group tuple must be \(DeviceMesh, mesh_dim\)"):
