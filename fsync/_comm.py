@@ -245,7 +245,7 @@ def _on_gloo(group: Group) -> bool:
 # one broadcast per rank, and 73-98 ms to reduce-scatter against 45-64 ms as an
 # all-to-all and a local sum (68.6 against 112 ms on an 8 Gbit/s link). So on gloo those
 # two are composed from the faster ones. Read at trace time, like the group's name.
-on_gloo = cast(Callable[[Group], bool], torch.compiler.assume_constant_result(_on_gloo))
+on_gloo = cast(Callable[[Group], bool], _constant(_on_gloo))  # type: ignore[arg-type]
 
 
 def group_named(name: str) -> dist.ProcessGroup:
@@ -303,29 +303,19 @@ def _local(
 def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Every rank's ``x`` concatenated along dim 0, in rank order.
 
-    On gloo this is one broadcast per rank rather than gloo's all-gather (see
-    ``on_gloo``); the result is the same tensor.
+    Eagerly on gloo this is one broadcast per rank rather than gloo's all-gather
+    (see ``on_gloo``); the result is the same tensor. Compiled, it is the
+    functional all-gather: measured as fast there as the broadcasts, and one
+    collective keeps the ranks' graphs free of rank-dependent inputs.
     """
     local = _local("all_gather", x, group)
     if local is not None:
         return local
-    if not on_gloo(group):
+    if not on_gloo(group) or torch.compiler.is_compiling():
         gathered: torch.Tensor = _all_gather(x, 0, _funcol_group(group))
         return gathered
     n, me = size(group), rank(group)
     x = x.reshape(-1) if x.dim() == 0 else x  # a scalar gathers into a vector, as c10d's does
-    if torch.compiler.is_compiling():
-        name = group_name(group)
-        # Functional broadcasts (each copies its input, which a receiving rank then
-        # overwrites) and one concatenation. Every rank passes its own x for every source,
-        # so that all ranks trace the same graph and inductor orders the collectives the
-        # same way on each: a buffer made from nothing on the receiving ranks alone would
-        # leave it free to issue those broadcasts earlier there than on the sender.
-        parts = [
-            funcol.wait_tensor(torch.ops._c10d_functional.broadcast(x, src, name))
-            for src in range(n)
-        ]
-        return torch.cat(parts)
     # Eagerly: every rank's part arrives in place in one buffer, this rank's copied in.
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
     chunks = out.chunk(n)
@@ -378,7 +368,8 @@ def broadcasts(tensors: list[torch.Tensor], sources: list[int], group: Group) ->
     """
     if not torch.compiler.is_compiling() or size(group) == 1 or isinstance(group, Recorder):
         return [wait(broadcast(t, src, group)) for t, src in zip(tensors, sources, strict=True)]
-    return _broadcasts_op(tensors, sources, group_name(group))
+    received: list[torch.Tensor] = _broadcasts_op(tensors, sources, group_name(group))
+    return received
 
 
 @torch.library.custom_op("fsync::broadcasts", mutates_args=())

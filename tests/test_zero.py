@@ -491,8 +491,8 @@ def _on_rank_compiled(shard_buckets):
     }
     if shard_buckets:
         # On gloo fsync's comm module composes a reduce-scatter from an all-to-all and
-        # an all-gather from one broadcast per rank (gloo's own are slower, see _comm).
-        expected = {"all_to_all": n_buckets, "broadcast": n_buckets * dist.get_world_size()}
+        # a local sum (gloo's own is slower, see _comm.on_gloo).
+        expected = {"all_to_all": n_buckets, "all_gather": n_buckets}
     else:  # the owners' broadcasts are one op that issues them in order on every rank
         expected = {"all_reduce": n_buckets, "broadcast": 1}
     assert count == {**dict.fromkeys(count, 0), **expected}, collectives
