@@ -226,65 +226,73 @@ def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, Any], path: pathlib.Path) -> None:
+def plot(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
+    """One figure per question (step time, leaf scaling, hook bytes), as PNGs in ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [k for k in ("step", "leaves", "hooks") if k in results]
-    figure, axes = plt.subplots(1, max(len(panels), 1), figsize=(6 * max(len(panels), 1), 4.5))
-    axes = list(axes) if len(panels) > 1 else [axes]
-    for ax, panel in zip(axes, panels, strict=False):
-        if panel == "step":
-            models = list(results["step"])
-            names = list(results["step"][models[0]])
-            width = 0.8 / len(models)
-            for m, model in enumerate(models):
-                values = [
-                    results["step"][model][n] / results["step"][model]["DDP eager"] for n in names
-                ]
-                ax.barh(
-                    [i + m * width for i in range(len(names))], values, height=width, label=model
-                )
-            ax.set_yticks([i + width * (len(models) - 1) / 2 for i in range(len(names))], names)
-            ax.axvline(1.0, color="grey", linewidth=0.8)
-            ax.set_xlabel("step time relative to DDP eager (lower is better)")
-            ax.legend()
-            ax.invert_yaxis()
-        elif panel == "leaves":
-            leaves = results["leaves"]
-            counts = sorted(leaves["eager"], key=int)
-            for mode in ("eager", "compiled"):
-                base = leaves[mode][counts[0]]
-                ax.plot(
-                    [int(n) for n in counts],
-                    [leaves[mode][n] / base for n in counts],
-                    "o-",
-                    label=mode,
-                )
-            ax.set_xscale("log")
-            ax.axhline(1.3, color="grey", linestyle="--", linewidth=0.8, label="target 1.3x")
-            ax.set_xlabel("leaves (same total bytes)")
-            ax.set_ylabel("sync time relative to 1 leaf")
-            ax.legend()
-        else:
-            hooks = results["hooks"]
-            names = list(hooks)
-            ax.barh(names, [hooks[n]["relative"] for n in names])
-            ax.set_xscale("log")
-            ax.set_xlabel("bytes on the wire relative to all-reduce")
-            ax.invert_yaxis()
-    figure.suptitle(f"fsync vs DDP, {results['environment']['backend']}")
+    paths = []
+    backend = results["environment"]["backend"]
+    if "step" in results:
+        models = list(results["step"])
+        names = list(results["step"][models[0]])
+        figure, ax = plt.subplots(figsize=(8, 0.35 * len(names) * len(models) + 1.5))
+        width = 0.8 / len(models)
+        for m, model in enumerate(models):
+            values = [
+                results["step"][model][n] / results["step"][model]["DDP eager"] for n in names
+            ]
+            ax.barh([i + m * width for i in range(len(names))], values, height=width, label=model)
+        ax.set_yticks([i + width * (len(models) - 1) / 2 for i in range(len(names))], names)
+        ax.axvline(1.0, color="grey", linewidth=0.8)
+        ax.set_xlabel("step time relative to DDP eager (lower is better)")
+        ax.set_title(f"One training step, {backend}")
+        ax.legend()
+        ax.invert_yaxis()
+        paths.append(_save(figure, out / "benchmarks-step.png"))
+    if "leaves" in results:
+        leaves = results["leaves"]
+        counts = sorted(leaves["eager"], key=int)
+        figure, ax = plt.subplots(figsize=(6.5, 4.2))
+        for mode in ("eager", "compiled"):
+            base = leaves[mode][counts[0]]
+            ax.plot(
+                [int(n) for n in counts], [leaves[mode][n] / base for n in counts], "o-", label=mode
+            )
+        ax.set_xscale("log")
+        ax.axhline(1.3, color="grey", linestyle="--", linewidth=0.8, label="target 1.3x")
+        ax.set_xlabel("leaves (same total bytes)")
+        ax.set_ylabel("sync time relative to 1 leaf")
+        ax.set_title("Does the sync scale with the number of leaves?")
+        ax.legend()
+        paths.append(_save(figure, out / "benchmarks-leaves.png"))
+    if "hooks" in results:
+        hooks = results["hooks"]
+        names = list(hooks)
+        figure, ax = plt.subplots(figsize=(6.5, 0.4 * len(names) + 1.5))
+        ax.barh(names, [hooks[n]["relative"] for n in names])
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes on the wire relative to all-reduce")
+        ax.set_title("What each hook sends")
+        ax.invert_yaxis()
+        paths.append(_save(figure, out / "benchmarks-hooks.png"))
+    return paths
+
+
+def _save(figure: Any, path: pathlib.Path) -> pathlib.Path:
+    import matplotlib.pyplot as plt
+
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+    return path
 
 
 def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
     out.mkdir(parents=True, exist_ok=True)
-    png = out / "benchmarks.png"
-    plot(results, png)
+    pngs = plot(results, out)
     env = results["environment"]
     parts = [
         "# Benchmarks",
@@ -297,7 +305,10 @@ def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
         "|---|---|",
         *[f"| {key} | {value} |" for key, value in env.items()],
         "",
-        f"![benchmark plot]({png.name})",
+        *[f"![{png.stem}]({png.name})" for png in pngs],
+        "",
+        "Communication on a link slower than compute (overlap, ZeRO at 8 Gbit/s): "
+        "[benchmarks on a slow link](benchmarks-link.md), from `--only link`.",
         "",
         READING,
         "",
@@ -318,4 +329,4 @@ def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
         parts += ["## 7. GPU", "", results["gpu"], ""]
     md = out / "benchmarks.md"
     md.write_text("\n".join(parts))
-    return [md, png]
+    return [md, *pngs]

@@ -28,9 +28,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import fsync  # noqa: E402
-from benchmarks import cases, models  # noqa: E402
+from benchmarks import cases, link, models  # noqa: E402
 
-CASES = ("step", "sync", "leaves", "hooks", "zero", "anatomy")
+CASES = ("step", "sync", "leaves", "hooks", "zero", "anatomy", "link")
 # What runs on a GPU: the other cases compare with DDP on CPU processes.
 CUDA_CASES = ("anatomy",)
 
@@ -178,11 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from benchmarks import report
 
-    results = run(args)
-    report.print_tables(results)
-    if not args.no_report:
-        paths = report.write(results, args.out)
-        print("wrote " + ", ".join(str(p) for p in paths))
+    shaped = "link" in args.only  # its own page, each rate in its own process
+    args.only = [c for c in args.only if c != "link"]
+    if args.only:
+        results = run(args)
+        report.print_tables(results)
+        if not args.no_report:
+            paths = report.write(results, args.out)
+            print("wrote " + ", ".join(str(p) for p in paths))
+    if shaped and args.device == "cpu":
+        link_args = ["--out", str(args.out), *(["--smoke"] if args.smoke else [])]
+        link_args += [f"--steps={args.steps}", f"--warmup={args.warmup}"] if args.smoke else []
+        link.main(link_args)
     return 0
 
 

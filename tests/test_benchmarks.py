@@ -43,7 +43,13 @@ def test_smoke_run_writes_every_section(tmp_path):
     ):
         assert f"| {row} |" in md
     assert "pack + unpack kernels per bucket <= 2 (cpu)" in md
-    assert (tmp_path / "benchmarks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for png in ("step", "leaves", "hooks", "link-step", "link-hidden"):
+        assert (tmp_path / f"benchmarks-{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The slow-link page (smoke: the unshaped loopback only, so no root is needed).
+    link = (tmp_path / "benchmarks-link.md").read_text()
+    for section in ("Targets", "Step time against link rate", "the sync alone", "ZeRO"):
+        assert section in link, section
+    assert "| fsync compiled: share of the all-reduce hidden |" in link
 
 
 def test_targets_are_ratios_of_the_right_figures():
