@@ -67,7 +67,9 @@ class DiLoCo(NamedTuple):
 
     Attributes:
         init: ``init(params) -> state``: the [fsync.DiLoCoState][] for the
-            parameters every rank starts from (copied into the anchor).
+            parameters every rank starts from (copied into the anchor; give every
+            rank the same ones, with [fsync.broadcast][]). Collective: it checks
+            that every rank has the same tree, as [fsync.GradSync][]'s ``init``.
         update: ``update(params, state) -> (params, state)``, called after every
             inner optimizer step: on every ``inner_steps``-th call the synced,
             outer-stepped anchor (new tensors), otherwise ``params`` as given.
@@ -94,8 +96,11 @@ def diloco(
     parameters of every rank. On the other calls it returns ``params`` as given
     and communicates nothing. Nothing passed in is modified; the parameters
     returned never share memory with the state. Works eagerly and inside
-    ``torch.compile(fullgraph=True)``: the branch is a ``torch.cond`` on the
-    call count, compiled once.
+    ``torch.compile(fullgraph=True)`` (best through [fsync.compile][], whose
+    ``dynamic=False`` keeps Python floats out of the graph's inputs): the
+    branch is a ``torch.cond`` on the call count, one graph for every call,
+    whose other branch copies the parameters and the state (a ``torch.cond``
+    branch may not return its inputs).
 
     With ``outer=fsync.optim.sgd(1.0)`` this is local SGD: the new parameters
     are the mean of the ranks' parameters, as torch's

@@ -295,6 +295,28 @@ def test_compiled_update_is_one_graph_and_equals_eager(world: World, outer_kind)
     world.run(_on_rank_compiled_equals_eager, outer_kind, timeout=400)
 
 
+def _on_rank_compiled_powersgd():
+    rank = dist.get_rank()
+    dl = fsync.diloco(2, hook=fsync.ops.powersgd(1, start_step=0))
+    params = {"w": torch.randn(16, 12, generator=torch.Generator().manual_seed(0))}
+    state = dl.init(params)
+    compiled = fsync.compile(dl.update)
+    torch._dynamo.utils.counters.clear()
+    for step in range(3 * 2):
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            params, state = compiled(_moved(params, rank, step), state)
+    # PowerSGD's state keeps its fingerprint as it is, an input the torch.cond branch
+    # may not return as such: copied, it compiles into the same one graph.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert int(state.sync.hook.step) == 3 and state.sync.hook.error[0].abs().sum() > 0
+    fsync.verify(params, values=True)  # the last call synced: every rank agrees
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_compiled_update_threads_powersgd_state_in_one_graph(world: World):
+    world.run(_on_rank_compiled_powersgd, timeout=400)
+
+
 # --- one process: what goes on the wire, inputs, errors --------------------------------------
 
 
