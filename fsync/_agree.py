@@ -121,7 +121,7 @@ def control_vector(
         values = [*fixed, seq, seq * seq, int(stale), nones]
         return torch.tensor(values, dtype=torch.int64, device=device)
     # Traced: the step and the state's fingerprint are tensors, read at run time.
-    head = int64_vector(fixed, device)
+    head = _int64_vector(fixed, device)
     tail = torch.tensor([0, 0, 0, nones], dtype=torch.int64, device=device)
     if step is not None:
         s = step.to(device=device, dtype=torch.int64).reshape(1) % (1 << _CHUNK_BITS)
@@ -132,12 +132,12 @@ def control_vector(
     return torch.cat([head, tail])
 
 
-def int64_vector(values: Sequence[int], device: torch.device) -> torch.Tensor:
+def _int64_vector(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """``torch.tensor(values, dtype=torch.int64)``; traced, without a tensor constant.
 
     Inside a ``torch.cond`` branch (where [fsync.diloco][] syncs) inductor leaves a
     tensor constant of more than 8 elements unset and the compiled step fails at run
-    time (pytorch/pytorch#185482; torch 2.11 to 2.13 at least), so a traced vector
+    time (pytorch/pytorch#185482, seen with torch 2.13), so a traced vector
     is filled run by run instead, which also keeps an all-ones vector one node.
     """
     if not torch.compiler.is_compiling():
@@ -388,7 +388,7 @@ def agree_on(
         plan_fingerprint=plan.fingerprint,
         device=device,
     )
-    used = int64_vector([int(h) for h in has], device)
+    used = _int64_vector([int(h) for h in has], device)
     description = describe(plan.description, hook, find_unused, divide_by, "grads")
     buckets: list[torch.Tensor] = []
     if torch.compiler.is_compiling():

@@ -344,15 +344,16 @@ def test_only_every_hth_call_communicates():
 
 
 def test_returned_parameters_never_share_memory_with_the_state(single_rank):
-    params = {"w": torch.ones(4)}
+    # Five elements: a tree of its own, so that no other test's cached plan is this one's.
+    params = {"w": torch.ones(5)}
     dl = fsync.diloco(1, fsync.optim.sgd(1.0))
     state = dl.init(params)
     assert state.anchor["w"].data_ptr() != params["w"].data_ptr()
-    out, state = dl.update({"w": torch.full((4,), 2.0)}, state)
-    assert torch.equal(out["w"], torch.full((4,), 2.0))  # one rank: the mean is itself
+    out, state = dl.update({"w": torch.full((5,), 2.0)}, state)
+    assert torch.equal(out["w"], torch.full((5,), 2.0))  # one rank: the mean is itself
     assert out["w"].data_ptr() != state.anchor["w"].data_ptr()
     out["w"].add_(1.0)  # an in-place inner optimizer must not move the anchor
-    assert torch.equal(state.anchor["w"], torch.full((4,), 2.0))
+    assert torch.equal(state.anchor["w"], torch.full((5,), 2.0))
 
 
 @pytest.mark.parametrize(
