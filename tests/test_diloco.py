@@ -154,11 +154,12 @@ def _on_rank_bf16_within_its_rounding():
             a = anchor[name].double()
             d = [a - p.double() for p in parts]
             exact = torch.stack([p.double() for p in parts]).mean(0)
-            # bf16_compress: d = fl32(a - p) (u32), cast to bfloat16 (ub), times
-            # fl_bf16(1/W) (ub for the factor, ub for the product), W - 1 bfloat16
-            # additions (ub each), cast back (exact); then fl32(a - m) (u32 |out|).
-            # First order: (W + 2) ub + u32 of mean|a - p|, and u32 |out|; the bound
-            # doubles it for the second-order terms.
+            # bf16_compress: d = fl32(a - p) (u32), cast to bfloat16 (ub), times 1/W
+            # (the factor held in float32, u32; the product rounded to bfloat16, ub),
+            # W - 1 bfloat16 additions (ub each, if the backend rounds each), cast back
+            # (exact); then fl32(a - m) (u32 |out|). First order: (W + 1) ub + 2 u32
+            # <= (W + 2) ub + u32 of mean|a - p|, and u32 |out|; the bound doubles that
+            # for the second-order terms.
             bound = 2 * (
                 ((world_size + 2) * ub + u32) * _mean_abs(d) + u32 * params[name].double().abs()
             )
