@@ -3,13 +3,15 @@
 Inside a functional train step, ``grads = fsync.sync_grads(grads)`` does what DDP's
 Reducer does (bucketed all-reduce mean, DDP's bucket layout and scaling), eagerly or
 under ``torch.compile(fullgraph=True)``. Hooks (``fsync.ops``) transform the buckets;
-``fsync.GradSync`` threads their state.
+``fsync.GradSync`` threads their state; ``fsync.diloco`` syncs a pseudo-gradient every H
+steps (DiLoCo, local SGD).
 """
 
 from fsync import ops, optim
 from fsync._accumulate import DeferredState, DeferredSync, accumulate
 from fsync._broadcast import broadcast, sync_buffers
 from fsync._compile import compile
+from fsync._diloco import DiLoCo, DiLoCoState, diloco
 from fsync._hook import Hook, SyncContext, chain
 from fsync._options import SyncOptions
 from fsync._pack import pack, unpack
@@ -26,6 +28,8 @@ __all__ = [
     "BucketSpec",
     "DeferredState",
     "DeferredSync",
+    "DiLoCo",
+    "DiLoCoState",
     "GradSync",
     "Hook",
     "LeafSpec",
@@ -39,6 +43,7 @@ __all__ = [
     "chain",
     "compile",
     "compute_bucket_assignment_by_size",
+    "diloco",
     "ops",
     "optim",
     "pack",

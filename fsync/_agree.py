@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -120,7 +121,7 @@ def control_vector(
         values = [*fixed, seq, seq * seq, int(stale), nones]
         return torch.tensor(values, dtype=torch.int64, device=device)
     # Traced: the step and the state's fingerprint are tensors, read at run time.
-    head = torch.tensor(fixed, dtype=torch.int64, device=device)
+    head = _int64_vector(fixed, device)
     tail = torch.tensor([0, 0, 0, nones], dtype=torch.int64, device=device)
     if step is not None:
         s = step.to(device=device, dtype=torch.int64).reshape(1) % (1 << _CHUNK_BITS)
@@ -129,6 +130,23 @@ def control_vector(
         other = (state_fingerprint.to(device).reshape(1) != plan_fingerprint).to(torch.int64)
         tail = tail + torch.cat([other.new_zeros(2), other, other.new_zeros(1)])
     return torch.cat([head, tail])
+
+
+def _int64_vector(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values, dtype=torch.int64)``; traced, without a tensor constant.
+
+    Inside a ``torch.cond`` branch (where [fsync.diloco][] syncs) inductor leaves a
+    tensor constant of more than 8 elements unset and the compiled step fails at run
+    time (pytorch/pytorch#185482, seen with torch 2.13), so a traced vector
+    is filled run by run instead, which also keeps an all-ones vector one node.
+    """
+    if not torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    runs = [
+        torch.full((len(list(run)),), value, dtype=torch.int64, device=device)
+        for value, run in itertools.groupby(values)
+    ]
+    return torch.cat(runs) if runs else torch.zeros(0, dtype=torch.int64, device=device)
 
 
 def _all_equal(total: int, squares: int, n: int) -> bool:
@@ -370,7 +388,7 @@ def agree_on(
         plan_fingerprint=plan.fingerprint,
         device=device,
     )
-    used = torch.tensor(has, dtype=torch.int64, device=device)
+    used = _int64_vector([int(h) for h in has], device)
     description = describe(plan.description, hook, find_unused, divide_by, "grads")
     buckets: list[torch.Tensor] = []
     if torch.compiler.is_compiling():

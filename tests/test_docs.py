@@ -71,7 +71,7 @@ _CONTEXT = _PREAMBLE[1] + (
     "batch = batch()  # from here on, this rank's batch\n"
 )
 # Pages run with _CONTEXT as their preamble.
-_GUIDES = ("hooks.md", "compile.md", "torchrun.md", "index.md", "hierarchical.md")
+_GUIDES = ("hooks.md", "compile.md", "torchrun.md", "index.md", "hierarchical.md", "diloco.md")
 _SNIPPETS = [
     (page, heading, code)
     for page in _GUIDES

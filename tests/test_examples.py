@@ -149,3 +149,22 @@ def test_module_backward_matches_ddp_bit_for_bit():
     assert "OK: parameters and buffers equal to DDP's, bit for bit, at all 20 steps" in out
     assert number(r"held-out accuracy ([\d.]+)%", out) > 50  # chance is 25%
     assert "OK: parameters identical on all 2 ranks" in out
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_diloco_sends_a_sixteenth_and_draws_the_plot(tmp_path):
+    plot = tmp_path / "diloco.png"
+    out = torchrun("diloco.py", "--steps", "16", "--inner-steps", "8", "--plot", str(plot))
+    rows = {}
+    for name in ("ddp", "diloco"):
+        match = re.search(rf"^{name} +([\d.]+) +([\d.]+) +(\d+) +([\d.]+)$", out, re.M)
+        assert match, f"no row for {name} in:\n{out}"
+        train_loss, held_out, syncs, mib = (float(g) for g in match.groups())
+        assert math.isfinite(train_loss) and held_out < math.log(59), (name, out)  # learned
+        rows[name] = syncs, mib
+    assert rows["ddp"][0] == 16 and rows["diloco"][0] == 2
+    # 16 fp32 syncs against 2 bf16 ones: 16 times fewer bytes (the agreement's 104 B a
+    # sync changes the printed ratio only past its first decimal).
+    assert "diloco sent 16.0x fewer bytes than ddp" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "OK: parameters identical on all 2 ranks after each run" in out
