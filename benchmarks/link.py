@@ -28,12 +28,14 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -45,6 +47,7 @@ from benchmarks import cases, models, report  # noqa: E402
 RATES = ("unshaped", "16gbit", "8gbit", "4gbit")
 SLOWNET = ROOT.parent / "shared" / "tools" / "slownet"
 CAP_MB = 4.0
+INNER_STEPS = 8  # DiLoCo's H in the mesh rows
 # What each setting's own compute is: the share of the all-reduce a step hides is
 # (own compute + flat all-reduce - step) / flat all-reduce.
 SETTINGS = {
@@ -67,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs")
     parser.add_argument("--json", type=pathlib.Path, help="child: where to write its results")
+    parser.add_argument("--world", type=int, default=2, help="child: 2 ranks, or 4 for the mesh")
     return parser.parse_args(argv)
 
 
@@ -152,12 +156,93 @@ def _sync_alone(work: models.Workload, timing: dict[str, int]) -> dict[str, floa
     }
 
 
+def _gpt_on_a_mesh(work: models.Workload, timing: dict[str, int]) -> dict[str, dict[str, float]]:
+    """The GPT on 4 ranks as 2 nodes x 2: DDP, hierarchical fsync and DiLoCo (H = 8, bf16).
+
+    Step times are means over whole rounds of ``H`` steps (DiLoCo syncs once per
+    round); cross-node bytes per step are what each rank hands to collectives
+    that cross nodes, from [fsync.sync_stats][] (a flat all-reduce's bytes all
+    count: its ring crosses the node boundary).
+    """
+    torch._dynamo.reset()
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    batch = work.batch(rank)
+    params = work.params()
+    out: dict[str, dict[str, float]] = {}
+    rounds = max(2, timing["steps"] // INNER_STEPS)
+
+    def mean_ms(step: Callable[[], None]) -> float:
+        for _ in range(INNER_STEPS):  # warm-up: compiles, and one sync for DiLoCo
+            step()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(rounds * INNER_STEPS):
+            step()
+        return 1000 * (time.perf_counter() - start) / (rounds * INNER_STEPS)
+
+    ddp = DDP(copy.deepcopy(work.model))
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=cases.LR)
+
+    def ddp_step() -> None:
+        ddp_opt.zero_grad(set_to_none=True)
+        work.loss(ddp, batch).backward()
+        ddp_opt.step()
+
+    optimizer = fsync.optim.sgd(cases.LR)
+
+    def functional(group: Any) -> Callable[..., Any]:
+        def step(params: dict[str, torch.Tensor], state: Any) -> Any:
+            grads = torch.func.grad(work.functional_loss)(params, batch)
+            if group is not None:
+                grads = fsync.sync_grads(grads, group=group)
+            return optimizer.update(params, grads, state)
+
+        return step
+
+    held = {"p": params, "o": optimizer.init(params)}
+
+    def hierarchical() -> None:
+        held["p"], held["o"] = synced(held["p"], held["o"])
+
+    synced = fsync.compile(functional(mesh))
+    local = fsync.compile(functional(None))
+    dl = fsync.diloco(INNER_STEPS, group=mesh, hook=fsync.ops.bf16_compress())
+    outer = {"p": params, "o": optimizer.init(params), "d": dl.init(params)}
+
+    def diloco_step() -> None:
+        outer["p"], outer["o"] = local(outer["p"], outer["o"])
+        outer["p"], outer["d"] = dl.update(outer["p"], outer["d"])
+
+    flat = fsync.sync_stats(params, world_size=4).bytes_on_wire
+    tiered = fsync.sync_stats(params, world_size=(2, 2)).bytes_on(0)
+    bf16 = fsync.sync_stats(params, world_size=(2, 2), hook=fsync.ops.bf16_compress()).bytes_on(0)
+    out["DDP eager (all-reduce over all 4 ranks)"] = {"ms": mean_ms(ddp_step), "bytes": flat}
+    out["fsync compiled, hierarchical on the 2 x 2 mesh"] = {
+        "ms": mean_ms(hierarchical),
+        "bytes": tiered,
+    }
+    out[f"fsync.diloco, H = {INNER_STEPS}, bf16, hierarchical"] = {
+        "ms": mean_ms(diloco_step),
+        "bytes": bf16 / INNER_STEPS,
+    }
+    return out
+
+
 def _worker(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=args.world)
     timing = _timing(args)
     scale = 1 / 16 if args.smoke else 1.0
+    if args.world == 4:
+        gpt = models.gpt(n_layer=1, scale=1 / 8, vocab_size=256) if args.smoke else models.gpt()
+        mesh_results = {"gpt on a mesh": _gpt_on_a_mesh(gpt, timing)}
+        if rank == 0:
+            pathlib.Path(out).write_text(json.dumps(mesh_results))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     results: dict[str, Any] = {
         "batch 256": _step_times(models.mlp(batch=256, scale=scale), CAP_MB, timing)
     }
@@ -179,7 +264,8 @@ def child(args: argparse.Namespace) -> None:
     """Measure at one rate (the namespace's loopback is already shaped)."""
     with tempfile.TemporaryDirectory(prefix="fsync-link-") as tmp:
         out = os.path.join(tmp, "results.json")
-        mp.spawn(_worker, args=(args, os.path.join(tmp, "init"), out), nprocs=2, join=True)
+        init = os.path.join(tmp, "init")
+        mp.spawn(_worker, args=(args, init, out), nprocs=args.world, join=True)
         results = json.loads(pathlib.Path(out).read_text())
     assert args.json is not None
     args.json.write_text(json.dumps(results))
@@ -208,6 +294,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             done.check_returncode()
             results[rate] = json.loads(path.read_text())
             print(f"link {rate}: {results[rate]['batch 256']}", flush=True)
+            if rate == ("unshaped" if args.smoke else "8gbit"):  # the GPT on 4 ranks
+                mesh = pathlib.Path(tmp) / f"{rate}-mesh.json"
+                run4 = [str(c) for c in command]
+                run4[run4.index(str(path))] = str(mesh)
+                subprocess.run([*run4, "--world", "4"], cwd=ROOT, env=env).check_returncode()
+                results[rate].update(json.loads(mesh.read_text()))
     return results
 
 
@@ -411,6 +503,33 @@ def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
             f"## At {label}: ZeRO, AdamW on the MLP, batch 64",
             "",
             report._markdown_table(["", "ms", "vs ZeroRedundancyOptimizer + DDP"], rows),
+            "",
+        ]
+    if "gpt on a mesh" in at:
+        mesh = at["gpt on a mesh"]
+        ddp = mesh["DDP eager (all-reduce over all 4 ranks)"]
+        rows = [
+            [
+                n,
+                report._ms(r["ms"]),
+                report._ratio(r["ms"] / ddp["ms"]),
+                f"{r['bytes'] / 2**20:.2f}",
+                report._ratio(r["bytes"] / ddp["bytes"]),
+            ]
+            for n, r in mesh.items()
+        ]
+        parts += [
+            f"## At {label}: the GPT on 4 ranks as 2 nodes x 2 (DDP, hierarchical fsync, DiLoCo)",
+            "",
+            "Mean step over whole rounds of H = 8 steps. Cross-node MiB: what each rank hands "
+            "to collectives that cross nodes per step, from `fsync.sync_stats` (all of a flat "
+            "all-reduce's bytes count). The four ranks share one shaped loopback, so the "
+            "traffic within a node is as slow as across: the times show the cost of the "
+            "bytes, not the benefit of a fast link inside a node.",
+            "",
+            report._markdown_table(
+                ["", "ms per step", "vs DDP", "cross-node MiB per step", "vs DDP"], rows
+            ),
             "",
         ]
     md = out / "benchmarks-link.md"

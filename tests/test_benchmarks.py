@@ -47,7 +47,13 @@ def test_smoke_run_writes_every_section(tmp_path):
         assert (tmp_path / f"benchmarks-{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The slow-link page (smoke: the unshaped loopback only, so no root is needed).
     link = (tmp_path / "benchmarks-link.md").read_text()
-    for section in ("Targets", "Step time against link rate", "the sync alone", "ZeRO"):
+    for section in (
+        "Targets",
+        "Step time against link rate",
+        "the sync alone",
+        "ZeRO",
+        "GPT on 4 ranks",
+    ):
         assert section in link, section
     assert "| fsync compiled: share of the all-reduce hidden |" in link
 
