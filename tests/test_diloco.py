@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.device_mesh import init_device_mesh
 
 import fsync
 from fsync._comm import Recorder
@@ -97,8 +98,6 @@ def _on_rank_outer_nesterov_by_hand(mesh):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     group = None
     if mesh:
-        from torch.distributed.device_mesh import init_device_mesh
-
         group = init_device_mesh("cpu", (world_size,))
     params = params_of(ref_model())
     dl = fsync.diloco(H, group=group, **ONE_LEAF_PER_BUCKET)  # default outer optimizer
@@ -384,3 +383,40 @@ def test_bad_calls_say_how_to_fix_them(single_rank):
         dl.update({"w": torch.zeros(3), "b": torch.zeros(2)}, state.sync)
     with pytest.raises(TypeError, match="expected a floating point tensor"):
         dl.init({"w": torch.zeros(3, dtype=torch.int64)})
+
+
+# --- a 2-D mesh: the pseudo-gradient is reduced hierarchically ----------------------------------
+
+
+def _on_rank_local_sgd_on_a_mesh():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    params = params_of(ref_model())
+    local_sgd = fsync.diloco(H, fsync.optim.sgd(1.0), group=mesh)
+    state = local_sgd.init(params)
+    eps = torch.finfo(torch.float32).eps
+    for step in range(2 * H):
+        moved = _moved(params, rank, step)
+        anchor = state.anchor
+        params, state = local_sgd.update(moved, state)
+        if (step + 1) % H:
+            assert params is moved
+            continue
+        for name, parts in gathered(moved).items():
+            a = anchor[name].double()
+            exact = torch.stack([p.double() for p in parts]).mean(0)
+            # The pseudo-gradient's mean: fl(a - p), scaled, reduce-scattered within the
+            # node, all-reduced across, all-gathered (W - 1 additions in some order),
+            # then fl(a - m): gamma_{W+2} * mean|a - p| + eps * |result|, as above.
+            bound = (
+                gamma(world_size + 2) * _mean_abs([a - p.double() for p in parts])
+                + eps * exact.abs()
+            )
+            diff = (params[name].double() - exact).abs()
+            assert torch.all(diff <= bound), (name, (diff / bound).max())
+        fsync.verify(state.anchor, values=True)  # the same bits on every rank of the mesh
+
+
+@pytest.mark.parametrize("world", [4], indirect=True)
+def test_local_sgd_on_a_2d_mesh_is_the_mean_of_all_ranks(world: World):
+    world.run(_on_rank_local_sgd_on_a_mesh)
