@@ -444,6 +444,10 @@ def plot(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
     return [step, share]
 
 
+def _section(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    return [f"## {title}", "", report._markdown_table(["", *header], rows), ""]
+
+
 def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
     """``benchmarks-link.md`` and its figures in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -489,22 +493,15 @@ def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
     if "sync alone" in at:
         sync = at["sync alone"]
         rows = [[n, report._ms(v), report._ratio(v / sync[FLAT])] for n, v in sync.items()]
-        parts += [
-            f"## At {label}: the sync alone, MLP gradients",
-            "",
-            report._markdown_table(["", "ms", "vs flat all-reduce"], rows),
-            "",
-        ]
+        parts += _section(
+            f"At {label}: the sync alone, MLP gradients", ["ms", "vs flat all-reduce"], rows
+        )
     if "zero" in at:
         zero = at["zero"]
         base = zero["ZeroRedundancyOptimizer + DDP"]
         rows = [[n, report._ms(v), report._ratio(v / base)] for n, v in zero.items()]
-        parts += [
-            f"## At {label}: ZeRO, AdamW on the MLP, batch 64",
-            "",
-            report._markdown_table(["", "ms", "vs ZeroRedundancyOptimizer + DDP"], rows),
-            "",
-        ]
+        header = ["ms", "vs ZeroRedundancyOptimizer + DDP"]
+        parts += _section(f"At {label}: ZeRO, AdamW on the MLP, batch 64", header, rows)
     if "gpt on a mesh" in at:
         mesh = at["gpt on a mesh"]
         ddp = mesh["DDP eager (all-reduce over all 4 ranks)"]
