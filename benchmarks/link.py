@@ -417,9 +417,7 @@ def plot(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
     ax.set_ylabel("ms per training step (lower is better)")
     ax.set_title("MLP 8.4M parameters, batch 256, 4 MiB buckets, 2 gloo ranks")
     ax.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(step, dpi=110)
-    plt.close(figure)
+    report._save(figure, step)
     share = out / "benchmarks-link-hidden.png"
     figure, ax = plt.subplots(figsize=(7.5, 4.2))
     width = 0.8 / len(SETTINGS)
@@ -438,10 +436,7 @@ def plot(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
     ax.set_ylabel("% of the flat all-reduce hidden behind own compute")
     ax.set_title("How much communication each step hides (higher is better)")
     ax.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(share, dpi=110)
-    plt.close(figure)
-    return [step, share]
+    return [step, report._save(figure, share)]
 
 
 def _section(title: str, header: list[str], rows: list[list[str]]) -> list[str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -243,8 +243,9 @@ def _on_gloo(group: Group) -> bool:
 # collectives call) are slower than its broadcast and all-to-all over the same bytes: on
 # 2 ranks of a 2-core machine, 33.6 MB took 60-73 ms to all-gather against 16-62 ms as
 # one broadcast per rank, and 73-98 ms to reduce-scatter against 45-64 ms as an
-# all-to-all and a local sum (68.6 against 112 ms on an 8 Gbit/s link). So on gloo those
-# two are composed from the faster ones. Read at trace time, like the group's name.
+# all-to-all and a local sum (68.6 against 112 ms on an 8 Gbit/s link). So on gloo a
+# reduce-scatter is always composed from the faster collective, and an all-gather eagerly
+# (compiled, c10d's is as fast: see all_gather). Read at trace time, like the group's name.
 on_gloo = cast(Callable[[Group], bool], _constant(_on_gloo))  # type: ignore[arg-type]
 
 
@@ -320,13 +321,7 @@ def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
     chunks = out.chunk(n)
     chunks[me].copy_(x)
-    pg = process_group(group)
-    issued = [
-        dist.broadcast(chunk, dist.get_global_rank(pg, src), group=pg, async_op=True)
-        for src, chunk in enumerate(chunks)
-    ]
-    for work in issued:
-        _wait_work(work)
+    _broadcast_in_place(chunks, range(n), process_group(group))
     return out
 
 
@@ -382,12 +377,7 @@ def _broadcasts_op(
         t.clone() if src == me else torch.empty_like(t)
         for t, src in zip(tensors, sources, strict=True)
     ]
-    issued = [
-        dist.broadcast(t, dist.get_global_rank(pg, src), group=pg, async_op=True)
-        for t, src in zip(out, sources, strict=True)
-    ]
-    for work in issued:
-        _wait_work(work)
+    _broadcast_in_place(out, sources, pg)
     return out
 
 
@@ -406,6 +396,23 @@ def wait(x: torch.Tensor) -> torch.Tensor:
         return x
     waited: torch.Tensor = _wait_work(x)
     return waited
+
+
+def _broadcast_in_place(
+    tensors: Sequence[torch.Tensor], sources: Iterable[int], pg: dist.ProcessGroup
+) -> None:
+    """Overwrites tensor ``k`` with rank ``sources[k]``'s (ranks within ``pg``), in order.
+
+    All are issued before the first is waited for, each on its own c10d ``Work``:
+    torch releases differ in whether a functional collective's wait keeps every
+    work registered on one storage, so buffers sharing one wait through their ``Work``.
+    """
+    issued = [
+        dist.broadcast(t, dist.get_global_rank(pg, src), group=pg, async_op=True)
+        for t, src in zip(tensors, sources, strict=True)
+    ]
+    for work in issued:
+        _wait_work(work)
 
 
 def _wait_work(work: Any) -> Any:
