@@ -24,7 +24,7 @@ from fsync._agree import verify_plan
 from fsync._hierarchy import shard_plan
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan
-from fsync._reduce import Reduced, init_hook, local_size, reduce_buckets, unpack_reduced
+from fsync._reduce import init_hook, local_size, reduce_add, reduce_finish, unpack_reduced
 from fsync._serialization import register_state
 
 
@@ -221,9 +221,17 @@ class DeferredSync:
         if grads is None:
             raise ValueError(_checks.NO_GRADS)
         leaves, plan, _ = _fit(self, grads, state)
-        reduced = _reduce(self, leaves, plan, state, stage="add")
-        pairs = zip(state.shards, reduced.buffers, strict=True)
-        shards = tuple(torch.add(total, shard) for total, shard in pairs)
+        added = reduce_add(
+            leaves,
+            plan,
+            self.options,
+            self.group,
+            step=state.step,
+            state_fingerprint=state.fingerprint,
+        )
+        shards = tuple(
+            torch.add(total, shard) for total, shard in zip(state.shards, added, strict=True)
+        )
         return state._replace(shards=shards, micro=state.micro + 1, step=state.step + 1)
 
     def finish(self, state: DeferredState, /) -> tuple[Any, DeferredState]:
@@ -242,9 +250,15 @@ class DeferredSync:
         if not torch.compiler.is_compiling() and int(state.micro) == 0:
             raise ValueError(_NOTHING_ADDED)
         _, plan, rebuild = _fit(self, None, state)
-        nothing = [None] * len(plan.leaves)
-        reduced = _reduce(
-            self, nothing, plan, state, stage="finish", shards=state.shards, micro=state.micro
+        reduced = reduce_finish(
+            state.shards,
+            state.micro,
+            plan,
+            self.options,
+            state.hook,
+            self.group,
+            step=state.step,
+            state_fingerprint=state.fingerprint,
         )
         new_state = state._replace(
             hook=reduced.hook_state,
@@ -253,26 +267,6 @@ class DeferredSync:
             micro=torch.zeros_like(state.micro),
         )
         return rebuild(unpack_reduced(reduced, plan)), new_state
-
-
-def _reduce(
-    sync: DeferredSync,
-    leaves: list[Any],
-    plan: BucketPlan,
-    state: DeferredState,
-    **stage: Any,
-) -> Reduced:
-    """The one reduce at a ``stage`` of the step, with the state's sequence number."""
-    return reduce_buckets(
-        leaves,
-        plan,
-        sync.options,
-        state.hook,
-        sync.group,
-        step=state.step,
-        state_fingerprint=state.fingerprint,
-        **stage,
-    )
 
 
 def _check_dense(plan: BucketPlan) -> None:

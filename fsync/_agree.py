@@ -165,23 +165,23 @@ def _verdict(summed: list[int], world_size: int) -> str | None:
     return None
 
 
-def agree(
+def issue(control: torch.Tensor, group: _comm.Group) -> torch.Tensor:
+    """Puts the control all-reduce on the wire (eager); ``conclude`` waits for it."""
+    return _comm.all_reduce(control.clone(), "sum", group, control=True)
+
+
+def conclude(
+    pending: torch.Tensor,
     control: torch.Tensor,
     used: torch.Tensor,
     group: _comm.Group,
     description: str,
     find_unused: bool,
-    meanwhile: Callable[[], Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The agreement itself (eager): the summed control vector and per-leaf use counts.
+    """The summed control vector and per-leaf use counts of an issued agreement.
 
-    ``meanwhile`` runs while the control all-reduce is on the wire (the sync packs
-    its buckets then). Raises the same ``ValueError`` on every rank when they
-    disagree.
+    Raises the same ``ValueError`` on every rank when they disagree.
     """
-    pending = _comm.all_reduce(control.clone(), "sum", group, control=True)
-    if meanwhile is not None:
-        meanwhile()
     summed = _comm.wait(pending)
     values = summed.tolist()
     world_size = _comm.size(group)
@@ -194,6 +194,17 @@ def agree(
         if not find_unused:
             _check_fully_used(counts, used, int(values[_ACTIVE]), description, group)
     return summed, counts
+
+
+def agree(
+    control: torch.Tensor,
+    used: torch.Tensor,
+    group: _comm.Group,
+    description: str,
+    find_unused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The agreement in one call (eager): ``issue``, then ``conclude``."""
+    return conclude(issue(control, group), control, used, group, description, find_unused)
 
 
 def _raise(problem: str, control: torch.Tensor, description: str, group: _comm.Group) -> None:
@@ -342,6 +353,129 @@ def _(control: torch.Tensor, used: torch.Tensor, context: str) -> tuple[torch.Te
     return torch.empty_like(control), torch.empty_like(used)
 
 
+class Agreement:
+    """An eager agreement on the wire: [begin][fsync._agree.begin] issued its control all-reduce.
+
+    ``conclude`` waits for it and returns what the ranks agreed on, or raises the
+    same ``ValueError`` on every rank. Between the two a sync does work that
+    needs no agreement (packing, or the backward pass of [fsync.grad_and_value][]),
+    and issues no bucket collective.
+    """
+
+    def __init__(
+        self, check: _Check | None, plan: BucketPlan, has: list[bool], active: bool
+    ) -> None:
+        self._check, self._plan, self._has, self._active = check, plan, has, active
+        # With one rank nothing is sent: there is no one to disagree with.
+        self._pending = None if check is None else issue(check.control, check.group)
+
+    def conclude(self) -> Agreed:
+        """Waits for the control all-reduce: the divisor of a mean, the leaves that come back."""
+        check = self._check
+        if check is None or self._pending is None:
+            return Agreed(1, _alone(self._plan, self._has, self._active))
+        summed, counts = conclude(
+            self._pending,
+            check.control,
+            check.used,
+            check.group,
+            check.description,
+            check.find_unused,
+        )
+        return check.agreed(self._plan, summed, counts, self._has)
+
+
+class _Check(NamedTuple):
+    """One sync's side of the agreement: what it sends and how it reads the sums."""
+
+    control: torch.Tensor
+    used: torch.Tensor
+    description: str
+    group: _comm.Group
+    find_unused: bool
+    divide_by: str
+    active: bool
+
+    def agreed(
+        self, plan: BucketPlan, summed: torch.Tensor, counts: torch.Tensor, has: list[bool]
+    ) -> Agreed:
+        divisor: int | torch.Tensor = _comm.size(self.group)
+        if self.divide_by == "active":
+            divisor = summed[_ACTIVE].clamp(min=1)
+        present = None
+        if self.find_unused or (self.active and not all(has)):
+            present = _present(plan, counts, self.find_unused, has)
+        return Agreed(divisor, present)
+
+
+def _check_of(
+    plan: BucketPlan,
+    has: list[bool],
+    group: _comm.Group,
+    *,
+    hook: str,
+    find_unused: bool,
+    divide_by: str,
+    active: bool,
+    step: torch.Tensor | None,
+    state_fingerprint: torch.Tensor | None,
+) -> _Check:
+    device = plan.specs[0].device if plan.specs else _comm.default_device(group)
+    h = fingerprint(plan.fingerprint, hook, find_unused, divide_by)
+    control = control_vector(
+        h,
+        active=active,
+        nones=sum(1 for x in has if not x) if active else 0,
+        step=step,
+        state_fingerprint=state_fingerprint,
+        plan_fingerprint=plan.fingerprint,
+        device=device,
+    )
+    used = _int64_vector([int(x) for x in has], device)
+    description = describe(plan.description, hook, find_unused, divide_by, "grads")
+    return _Check(control, used, description, group, find_unused, divide_by, active)
+
+
+def begin(
+    plan: BucketPlan,
+    has: Sequence[bool],
+    group: _comm.Group,
+    *,
+    hook: str,
+    find_unused: bool,
+    divide_by: str,
+    active: bool,
+    step: torch.Tensor | None = None,
+    state_fingerprint: torch.Tensor | None = None,
+) -> Agreement:
+    """Issues one sync's agreement (eager only); ``Agreement.conclude`` finishes it.
+
+    ``has`` tells, per tensor leaf of the plan (in flatten order), whether this
+    rank has its gradient. The ranks compare the plan, the options (``hook`` is
+    the hook's spec with where and at which stage it runs), the sync's sequence
+    number ``step`` and that ``state_fingerprint`` (the fingerprint of the plan
+    a state was made for) is the plan's. With one rank nothing is sent, but a
+    state for another plan is still refused.
+    """
+    has = [active and x for x in has]
+    if _comm.size(group) == 1:
+        if state_fingerprint is not None and int(state_fingerprint) != plan.fingerprint:
+            raise ValueError(_OTHER_STATE.format(who="rank 0"))
+        return Agreement(None, plan, has, active)
+    check = _check_of(
+        plan,
+        has,
+        group,
+        hook=hook,
+        find_unused=find_unused,
+        divide_by=divide_by,
+        active=active,
+        step=step,
+        state_fingerprint=state_fingerprint,
+    )
+    return Agreement(check, plan, has, active)
+
+
 def agree_on(
     plan: BucketPlan,
     leaves: Sequence[Any],
@@ -365,59 +499,55 @@ def agree_on(
     collective nor dropped as unused. With one rank nothing is sent (a state for
     another plan is still refused eagerly).
     """
-    world_size = _comm.size(group)
-    tensor_leaves = [i for i, spec in enumerate(plan.leaves) if spec is not None]
-    has = [active and leaves[i] is not None for i in tensor_leaves]
-    nones = sum(1 for h in has if not h) if active else 0
-    if world_size == 1:
-        eager = not torch.compiler.is_compiling()
-        if eager and state_fingerprint is not None and int(state_fingerprint) != plan.fingerprint:
-            raise ValueError(_OTHER_STATE.format(who="rank 0"))
-        present = _present(plan, tensor_leaves, None, False, has) if nones else None
-        return Agreed(world_size, present), pack(None)
-    if find_unused and torch.compiler.is_compiling():
+    has = [leaves[i] is not None for i, spec in enumerate(plan.leaves) if spec is not None]
+    if not torch.compiler.is_compiling():
+        agreement = begin(
+            plan,
+            has,
+            group,
+            hook=hook,
+            find_unused=find_unused,
+            divide_by=divide_by,
+            active=active,
+            step=step,
+            state_fingerprint=state_fingerprint,
+        )
+        buckets = pack(None)
+        return agreement.conclude(), buckets
+    has = [active and x for x in has]
+    if _comm.size(group) == 1:
+        return Agreed(1, _alone(plan, has, active)), pack(None)
+    if find_unused:
         raise ValueError(_checks.FIND_UNUSED_UNDER_COMPILE)
-    device = plan.specs[0].device if plan.specs else _comm.default_device(group)
-    h = fingerprint(plan.fingerprint, hook, find_unused, divide_by)
-    control = control_vector(
-        h,
+    check = _check_of(
+        plan,
+        has,
+        group,
+        hook=hook,
+        find_unused=find_unused,
+        divide_by=divide_by,
         active=active,
-        nones=nones,
         step=step,
         state_fingerprint=state_fingerprint,
-        plan_fingerprint=plan.fingerprint,
-        device=device,
     )
-    used = _int64_vector([int(h) for h in has], device)
-    description = describe(plan.description, hook, find_unused, divide_by, "grads")
-    buckets: list[torch.Tensor] = []
-    if torch.compiler.is_compiling():
-        context = _op_context(_comm.group_name(group), description, find_unused)
-        summed, counts = torch.ops.fsync.agree(control, used, context)
-        buckets = pack(summed[_ACTIVE] >= 0)
-    else:
-        packed = lambda: buckets.extend(pack(None))  # noqa: E731
-        summed, counts = agree(control, used, group, description, find_unused, packed)
-    divisor: int | torch.Tensor = world_size
-    if divide_by == "active":
-        divisor = summed[_ACTIVE].clamp(min=1)
-    present = None
-    if find_unused or (active and nones):
-        present = _present(plan, tensor_leaves, counts, find_unused, has)
-    return Agreed(divisor, present), buckets
+    context = _op_context(_comm.group_name(group), check.description, find_unused)
+    summed, counts = torch.ops.fsync.agree(check.control, check.used, context)
+    return check.agreed(plan, summed, counts, has), pack(summed[_ACTIVE] >= 0)
+
+
+def _alone(plan: BucketPlan, has: list[bool], active: bool) -> list[bool] | None:
+    """Which leaves come back with one rank: all, unless an active rank lacks some."""
+    return _present(plan, None, False, has) if active and not all(has) else None
 
 
 def _present(
-    plan: BucketPlan,
-    tensor_leaves: list[int],
-    counts: torch.Tensor | None,
-    find_unused: bool,
-    has: list[bool],
+    plan: BucketPlan, counts: torch.Tensor | None, find_unused: bool, has: list[bool]
 ) -> list[bool]:
     """Per leaf of the plan: does it come back as a tensor (some rank has a gradient)?"""
     # With find_unused (eager only: the tree's shape depends on the other ranks) the
     # counts; without, this rank's own leaves (agreed: every active rank lacks the same).
     where = counts.tolist() if find_unused and counts is not None else has
+    tensor_leaves = [i for i, spec in enumerate(plan.leaves) if spec is not None]
     present = [False] * len(plan.leaves)
     for i, n in zip(tensor_leaves, where, strict=True):
         present[i] = bool(n)

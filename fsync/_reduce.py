@@ -1,21 +1,32 @@
-"""The one reduce: checked leaves and their plan in, reduced buffers (or leaves) out.
+"""The reduce, as stages that each entry point composes.
 
-Every entry point ([fsync.sync_grads][], [fsync.GradSync][], the ZeRO step and
-[fsync.sync_stats][]) ends here, so they all issue the same collectives in the
-same order: the control collective (if the options need one), then pack, the
-hook, the wait, and unpack.
+A sync is a sequence of stages over one plan:
 
-On a 2-D ``DeviceMesh`` (dim 0 across nodes, dim 1 within a node) the reduce is
-hierarchical: each dense bucket is reduce-scattered (summed) within the node
-into ``1/local`` shards, the hook runs on the shards across nodes (with
-``ctx.group`` the cross-node dim and ``ctx.plan`` the shards' plan, see
-``_hierarchy``), and the shards are all-gathered within the node. The ranks'
-agreement still runs over the whole mesh, first. A deferred reduce
-([fsync.DeferredSync][]) splits that in two stages: ``"add"`` stops after the
-reduce-scatter, ``"finish"`` runs the hook and the all-gather on accumulated
-shards.
+1. **agree** (``agree_and_pack``): the ranks' control collective, with the
+   buckets packed while it is on the wire (``_agree``);
+2. **start** a bucket's hook (``start_hook``): the hook issues its collectives
+   and returns buffers that may still be in flight;
+3. **wait** (``finish_hook``): the hook's buffers, waited for and checked;
+4. **unpack** (``unpack_reduced``): leaves again, ``None`` where no rank had one.
 
-Owns: the order of a sync's steps and the hook's calling convention. May
+On a 2-D ``DeviceMesh`` (dim 0 across nodes, dim 1 within a node) a bucket's
+reduce is hierarchical: it is reduce-scattered (summed) within the node into
+``1/local`` shards (``reduce_within``), the hook runs on the shards across nodes
+(``reduce_across``, with ``ctx.group`` the cross-node dim and ``ctx.plan`` the
+shards' plan, see ``_hierarchy``), and the shards are all-gathered within the
+node (``gather_within``); ``reduce_dense`` picks the flat or the hierarchical
+form from the group. The ranks' agreement still runs over the whole mesh, first.
+
+Who composes what: [fsync.sync_grads][] and [fsync.GradSync][] run the stages
+back to back (``reduce``); the ZeRO step asks the hook for shards
+(``SyncContext.scatter``); [fsync.DeferredSync][] stops ``add`` after
+``reduce_within`` and runs ``finish`` from ``reduce_across`` on; and
+[fsync.grad_and_value][] (``_backward``) agrees before backward, packs each
+gradient as autograd produces it and starts each bucket (``start_bucket``) as
+soon as it is complete. Sparse buckets never reach a hook: fsync averages them
+itself (``with_sparse``), after the dense ones.
+
+Owns: the stages of a sync, their order and the hook's calling convention. May
 import: everything below it (layers 1 to 6), ``fsync.ops`` for the default hook.
 """
 
@@ -23,21 +34,21 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
+import optree
 import torch
 
-from fsync import _checks, _comm, _pack, _sparse
-from fsync._agree import agree_on
+from fsync import _checks, _comm, _pack, _sparse, _tree
+from fsync._agree import Agreed, agree_on
 from fsync._hierarchy import shard_plan
 from fsync._hook import Hook, SyncContext, hook_spec
 from fsync._options import SyncOptions
-from fsync._plan import BucketPlan
+from fsync._plan import BucketPlan, BucketSpec
+from fsync._planner import plan_tree
 from fsync.ops._allreduce import allreduce
 
 DEFAULT_HOOK = allreduce("mean")
-
-Stage = Literal["sync", "add", "finish"]
 
 _HOOK_RESULT = (
     "hook.apply returned {got}; expected a pair (buckets, state): a list with one tensor per "
@@ -49,10 +60,10 @@ class Reduced(NamedTuple):
     """What one reduce returns.
 
     Attributes:
-        buffers: One reduced buffer per bucket of the plan (with ``scatter``,
-            a dense bucket's buffer may be this rank's shard of it).
+        buffers: One reduced buffer per bucket of the plan (with
+            ``ctx.scatter``, a dense bucket's buffer may be this rank's shard of it).
         used: Per leaf, whether any rank had a gradient for it (``None``
-            unless ``find_unused``).
+            when every leaf comes back).
         hook_state: The hook's new state.
     """
 
@@ -61,181 +72,7 @@ class Reduced(NamedTuple):
     hook_state: Any
 
 
-def _apply_hook(
-    buffers: list[torch.Tensor], plan: BucketPlan, hook: Hook, state: Any, ctx: Any
-) -> tuple[list[torch.Tensor], Any]:
-    dense = [b for b, spec in zip(buffers, plan.specs, strict=True) if not spec.sparse]
-    result = hook.apply(dense, state, ctx)
-    if not isinstance(result, tuple) or len(result) != 2:
-        got = f"a {type(result).__name__}"
-        if isinstance(result, tuple):
-            got = f"a tuple of {len(result)}"
-        raise TypeError(_HOOK_RESULT.format(got=got))
-    out, state = result
-    if not isinstance(out, list | tuple):
-        raise TypeError(
-            f"hook output: got a {type(out).__name__}; expected a list with one buffer per "
-            "bucket, in the plan's order."
-        )
-    out = [_comm.wait(b) for b in out]
-    _checks.check_buffers(
-        out, ctx.buckets, plan, "hook output", shards=ctx.world_size if ctx.scatter else 0
-    )
-    return out, state
-
-
-def reduce_buckets(
-    leaves: Sequence[torch.Tensor | None],
-    plan: BucketPlan,
-    options: SyncOptions,
-    hook_state: Any,
-    group: _comm.Group,
-    *,
-    active: bool = True,
-    scatter: bool = False,
-    step: torch.Tensor | None = None,
-    state_fingerprint: torch.Tensor | None = None,
-    stage: Stage = "sync",
-    shards: Sequence[torch.Tensor] = (),
-    micro: torch.Tensor | None = None,
-) -> Reduced:
-    """Agreement, pack, hook, wait: the reduced buffer of every bucket.
-
-    ``leaves`` must already fit ``plan`` (see ``fit_tree``). The ranks first
-    agree (``_agree.agree_on``) on the plan, the options, the stage, the sync's
-    sequence number ``step`` (a state's step count) and that
-    ``state_fingerprint`` (the fingerprint of the plan a state was made for) is
-    the plan's. With ``scatter`` the hook may return this rank's shard of a
-    bucket instead of all of it (the ZeRO step needs only that; a hierarchical
-    reduce returns whole buckets). ``stage="add"`` returns, per dense bucket,
-    this rank's within-node shard of the sum (the whole sum's bucket where
-    every rank is a node of its own, a 1-D group); ``stage="finish"`` reduces
-    such ``shards``, summed over ``micro`` micro-batches, across nodes and
-    divides by ``micro`` times the world size.
-    """
-    sparse = [spec for spec in plan.specs if spec.sparse]
-    if sparse and torch.compiler.is_compiling():
-        leaf = plan.leaves[sparse[0].leaves[0]]
-        assert leaf is not None
-        raise TypeError(_checks.SPARSE_UNDER_COMPILE.format(path=leaf.path))
-    if not active:
-        leaves = [None] * len(leaves)
-    hook = hook_of(options)
-    levels = _comm.hierarchy(group)
-    finish = stage == "finish"
-    pack = functools.partial(_pack_after, leaves, plan)
-    (divisor, used), buffers = agree_on(
-        plan,
-        leaves,
-        group,
-        hook=_agreed_hook(hook, levels, stage),
-        find_unused=options.find_unused,
-        divide_by=options.divide_by,
-        active=active and not finish,
-        step=step,
-        state_fingerprint=state_fingerprint,
-        pack=functools.partial(_after, shards) if finish else pack,
-    )
-    if sparse and hook_spec(hook) != DEFAULT_HOOK.spec:
-        leaf = plan.leaves[sparse[0].leaves[0]]
-        assert leaf is not None
-        raise ValueError(_checks.SPARSE_NEEDS_DEFAULT_HOOK.format(path=leaf.path, hook=hook.spec))
-    dense_specs = tuple(spec for spec in plan.specs if not spec.sparse)
-    size = _comm.size(group)
-    ctx = SyncContext(
-        plan, dense_specs, group, _comm.rank(group), size, divisor, scatter=scatter, owned=True
-    )
-    if stage != "sync" or levels is not None:
-        across, within = levels or (group, None)
-        dense = [b for b, spec in zip(buffers, plan.specs, strict=True) if not spec.sparse]
-        if not finish:
-            dense = _reduce_within(dense, within)
-        if stage == "add":
-            return Reduced(dense, used, hook_state)
-        if finish:
-            assert micro is not None
-            ctx = ctx._replace(divisor=micro.clamp(min=1) * divisor, owned=False)
-        dense, hook_state = _across(dense, plan, hook, hook_state, ctx, across, within)
-    else:
-        dense, hook_state = _apply_hook(buffers, plan, hook, hook_state, ctx)
-    reduced = iter(dense)
-    out = [
-        _sparse.sparse_mean(b, ctx) if spec.sparse else next(reduced)
-        for b, spec in zip(buffers, plan.specs, strict=True)
-    ]
-    return Reduced(out, used, hook_state)
-
-
-def _agreed_hook(hook: Hook, levels: tuple[_comm.Group, _comm.Group] | None, stage: Stage) -> str:
-    """What the ranks compare for the hook: its spec, and where and at which stage it runs."""
-    spec = hook_spec(hook)
-    if levels is not None:
-        spec = f"{spec} across the nodes of a {_comm.size(levels[0])}x{_comm.size(levels[1])} mesh"
-    return spec if stage == "sync" else f"{spec}, deferred: {stage}"
-
-
-def _after(shards: Sequence[torch.Tensor], token: torch.Tensor | None) -> list[torch.Tensor]:
-    """Accumulated shards, made to wait for the agreement (``token``) as packed buckets do."""
-    return [s if token is None else s * token for s in shards]
-
-
-def local_size(group: _comm.Group) -> int:
-    """The ranks of a node: dim 1 of a 2-D mesh; 1 for any other group (a rank per node)."""
-    levels = _comm.hierarchy(group)
-    return 1 if levels is None else _comm.size(levels[1])
-
-
-def _reduce_within(dense: list[torch.Tensor], within: _comm.Group | None) -> list[torch.Tensor]:
-    """Each bucket zero-padded to ``local`` shards and reduce-scattered (summed) in the node."""
-    if within is None:
-        return dense
-    local = _comm.size(within)
-    # Issue every reduce-scatter before waiting on the first.
-    pending = [_comm.reduce_scatter(_pack.pad_to_shards(b, local), "sum", within) for b in dense]
-    return [_comm.wait(s) for s in pending]
-
-
-def _across(
-    shards: list[torch.Tensor],
-    plan: BucketPlan,
-    hook: Hook,
-    state: Any,
-    ctx: SyncContext,
-    across: _comm.Group,
-    within: _comm.Group | None,
-) -> tuple[list[torch.Tensor], Any]:
-    """The hook on the shards across nodes, then every bucket whole again (all-gather)."""
-    local = 1 if within is None else _comm.size(within)
-    splan = shard_plan(plan, local) if within is not None else plan
-    cross = SyncContext(
-        splan,
-        tuple(s for s in splan.specs if not s.sparse),
-        across,
-        _comm.rank(across),
-        _comm.size(across),
-        ctx.divisor,
-        owned=ctx.owned,
-    )
-    out, state = _apply_hook(shards, splan, hook, state, cross)
-    if within is None:
-        return out, state
-    gathered = [_comm.all_gather(s, within) for s in out]
-    whole = [_comm.wait(g)[: spec.numel] for g, spec in zip(gathered, ctx.buckets, strict=True)]
-    return whole, state
-
-
-def _pack_after(
-    leaves: Sequence[torch.Tensor | None], plan: BucketPlan, token: torch.Tensor | None
-) -> list[torch.Tensor]:
-    return _pack.pack_leaves(leaves, plan, after=token)
-
-
-def unpack_reduced(reduced: Reduced, plan: BucketPlan) -> list[torch.Tensor | None]:
-    """The leaves of reduced buffers; ``None`` where no rank had a gradient (``find_unused``)."""
-    out = _pack.unpack_leaves(reduced.buffers, plan)
-    if reduced.used is not None:
-        out = [leaf if keep else None for leaf, keep in zip(out, reduced.used, strict=True)]
-    return out
+# --- settings ------------------------------------------------------------------------------------
 
 
 def hook_of(options: SyncOptions) -> Hook:
@@ -249,7 +86,408 @@ def init_hook(options: SyncOptions, plan: BucketPlan, group: _comm.Group = None)
     On a 2-D mesh the hook runs on the shards across nodes: its state is made
     for their plan (``_hierarchy.shard_plan``).
     """
+    return hook_of(options).init(hook_plan(plan, group))
+
+
+def hook_plan(plan: BucketPlan, group: _comm.Group) -> BucketPlan:
+    """The plan the hook sees: ``plan``, or its shards' plan on a 2-D mesh."""
+    within = _levels(group)[1]
+    return plan if within is None else shard_plan(plan, _comm.size(within))
+
+
+def local_size(group: _comm.Group) -> int:
+    """The ranks of a node: dim 1 of a 2-D mesh; 1 for any other group (a rank per node)."""
+    within = _levels(group)[1]
+    return 1 if within is None else _comm.size(within)
+
+
+def agreed_spec(hook: Hook, group: _comm.Group, stage: str = "sync") -> str:
+    """What the ranks compare for the hook: its spec, and where and at which stage it runs.
+
+    ``stage`` names the part of a sync that runs ("sync" for a whole one;
+    [fsync.DeferredSync][]'s ``"add"`` and ``"finish"``), so that ranks at
+    different parts of a step disagree instead of pairing their collectives.
+    """
+    spec = hook_spec(hook)
     levels = _comm.hierarchy(group)
     if levels is not None:
-        plan = shard_plan(plan, _comm.size(levels[1]))
-    return hook_of(options).init(plan)
+        spec = f"{spec} across the nodes of a {_comm.size(levels[0])}x{_comm.size(levels[1])} mesh"
+    return spec if stage == "sync" else f"{spec}, deferred: {stage}"
+
+
+def check_sparse(plan: BucketPlan, hook: Hook, *, agreed: bool) -> None:
+    """Sparse buckets are averaged by fsync itself: eagerly, and with the default hook only.
+
+    Called twice: before the agreement (``agreed=False``), where a sparse leaf
+    inside ``torch.compile`` is refused while tracing, and after it, where a hook
+    that would not apply to sparse buckets is refused (only then is it known to
+    be every rank's tree, so that every rank raises).
+    """
+    sparse = [spec for spec in plan.specs if spec.sparse]
+    if not sparse:
+        return
+    leaf = plan.leaves[sparse[0].leaves[0]]
+    assert leaf is not None
+    if not agreed and torch.compiler.is_compiling():
+        raise TypeError(_checks.SPARSE_UNDER_COMPILE.format(path=leaf.path))
+    if agreed and hook_spec(hook) != DEFAULT_HOOK.spec:
+        raise ValueError(_checks.SPARSE_NEEDS_DEFAULT_HOOK.format(path=leaf.path, hook=hook.spec))
+
+
+def context(
+    plan: BucketPlan, group: _comm.Group, divisor: int | torch.Tensor, *, scatter: bool = False
+) -> SyncContext:
+    """The hook's [fsync.SyncContext][] for every dense bucket of ``plan``, buffers owned."""
+    dense = tuple(spec for spec in plan.specs if not spec.sparse)
+    return SyncContext(
+        plan,
+        dense,
+        group,
+        _comm.rank(group),
+        _comm.size(group),
+        divisor,
+        scatter=scatter,
+        owned=True,
+    )
+
+
+# --- stage 1: agree (and pack) -------------------------------------------------------------------
+
+
+def agree_and_pack(
+    leaves: Sequence[torch.Tensor | None],
+    plan: BucketPlan,
+    options: SyncOptions,
+    group: _comm.Group,
+    *,
+    active: bool = True,
+    step: torch.Tensor | None = None,
+    state_fingerprint: torch.Tensor | None = None,
+    stage: str = "sync",
+) -> tuple[Agreed, list[torch.Tensor]]:
+    """The ranks' agreement on this sync, and every bucket packed (eagerly, meanwhile).
+
+    ``leaves`` must already fit ``plan`` (see ``fit_tree``). The ranks agree
+    (``_agree.agree_on``) on the plan, the options, the ``stage``, the sync's
+    sequence number ``step`` (a state's step count) and that
+    ``state_fingerprint`` (the fingerprint of the plan a state was made for) is
+    the plan's. A rank with ``active=False`` packs zeros.
+    """
+    if not active:
+        leaves = [None] * len(leaves)
+    return agree_on(
+        plan,
+        leaves,
+        group,
+        hook=agreed_spec(hook_of(options), group, stage),
+        find_unused=options.find_unused,
+        divide_by=options.divide_by,
+        active=active,
+        step=step,
+        state_fingerprint=state_fingerprint,
+        pack=functools.partial(_pack_after, leaves, plan),
+    )
+
+
+def _pack_after(
+    leaves: Sequence[torch.Tensor | None], plan: BucketPlan, token: torch.Tensor | None
+) -> list[torch.Tensor]:
+    return _pack.pack_leaves(leaves, plan, after=token)
+
+
+def dense(buffers: Sequence[torch.Tensor], plan: BucketPlan) -> list[torch.Tensor]:
+    """The buffers of ``plan``'s dense buckets, in order (what hooks receive)."""
+    return [b for b, spec in zip(buffers, plan.specs, strict=True) if not spec.sparse]
+
+
+# --- stages 2 and 3: start the hook, wait for it -------------------------------------------------
+
+
+def start_hook(
+    buffers: list[torch.Tensor], hook: Hook, state: Any, ctx: SyncContext
+) -> tuple[list[torch.Tensor], Any]:
+    """``hook.apply`` on dense buffers: its collectives issued, its results maybe in flight."""
+    result = hook.apply(buffers, state, ctx)
+    if not isinstance(result, tuple) or len(result) != 2:
+        got = f"a {type(result).__name__}"
+        if isinstance(result, tuple):
+            got = f"a tuple of {len(result)}"
+        raise TypeError(_HOOK_RESULT.format(got=got))
+    out, state = result
+    if not isinstance(out, list | tuple):
+        raise TypeError(
+            f"hook output: got a {type(out).__name__}; expected a list with one buffer per "
+            "bucket, in the plan's order."
+        )
+    return list(out), state
+
+
+def finish_hook(out: list[torch.Tensor], ctx: SyncContext) -> list[torch.Tensor]:
+    """A started hook's buffers, waited for and checked against ``ctx.buckets``."""
+    out = [_comm.wait(b) for b in out]
+    shards = ctx.world_size if ctx.scatter else 0
+    _checks.check_buffers(out, ctx.buckets, ctx.plan, "hook output", shards=shards)
+    return out
+
+
+def apply_hook(
+    buffers: list[torch.Tensor], hook: Hook, state: Any, ctx: SyncContext
+) -> tuple[list[torch.Tensor], Any]:
+    """The hook on dense buffers over ``ctx.group``: started, then waited for."""
+    out, state = start_hook(buffers, hook, state, ctx)
+    return finish_hook(out, ctx), state
+
+
+def reduce_dense(
+    buffers: list[torch.Tensor], hook: Hook, state: Any, ctx: SyncContext
+) -> tuple[list[torch.Tensor], Any]:
+    """Every dense bucket reduced: the hook over ``ctx.group``, or hierarchically on a 2-D mesh.
+
+    ``ctx.buckets`` describes ``buffers``. On a mesh the result is every
+    bucket whole (a hierarchical reduce ignores ``ctx.scatter``).
+    """
+    return reduce_started([start_within(b, ctx.group) for b in buffers], hook, state, ctx)
+
+
+def reduce_within(buffers: list[torch.Tensor], within: _comm.Group | None) -> list[torch.Tensor]:
+    """Each bucket zero-padded to ``local`` shards and reduce-scattered (summed) in the node.
+
+    With no ``within`` (a 1-D group: every rank is a node of its own) the buckets
+    themselves.
+    """
+    if within is None:
+        return buffers
+    local = _comm.size(within)
+    # Issue every reduce-scatter before waiting on the first.
+    pending = [_comm.reduce_scatter(_pack.pad_to_shards(b, local), "sum", within) for b in buffers]
+    return [_comm.wait(s) for s in pending]
+
+
+def reduce_across(
+    shards: list[torch.Tensor],
+    hook: Hook,
+    state: Any,
+    ctx: SyncContext,
+    across: _comm.Group,
+    within: _comm.Group | None,
+) -> tuple[list[torch.Tensor], Any]:
+    """The hook on this rank's shards of ``ctx.buckets``, over the cross-node group."""
+    return apply_hook(shards, hook, state, cross_context(ctx, across, within))
+
+
+def cross_context(ctx: SyncContext, across: _comm.Group, within: _comm.Group | None) -> SyncContext:
+    """The hook's context across nodes: the shards' plan, and the shards of ``ctx.buckets``."""
+    if within is None:
+        size, rank = _comm.size(across), _comm.rank(across)
+        return ctx._replace(group=across, rank=rank, world_size=size, scatter=False)
+    splan = shard_plan(ctx.plan, _comm.size(within))
+    dense = [spec for spec in ctx.plan.specs if not spec.sparse]
+    position = {spec.leaves: k for k, spec in enumerate(dense)}
+    return SyncContext(
+        splan,
+        tuple(splan.specs[position[spec.leaves]] for spec in ctx.buckets),
+        across,
+        _comm.rank(across),
+        _comm.size(across),
+        ctx.divisor,
+        owned=ctx.owned,
+    )
+
+
+def gather_within(
+    shards: list[torch.Tensor], buckets: Sequence[BucketSpec], within: _comm.Group | None
+) -> list[torch.Tensor]:
+    """Every bucket whole again from the node's shards (all-gathered, padding cut)."""
+    if within is None:
+        return shards
+    gathered = [_comm.all_gather(s, within) for s in shards]
+    return [_comm.wait(g)[: spec.numel] for g, spec in zip(gathered, buckets, strict=True)]
+
+
+def alone(ctx: SyncContext, k: int) -> SyncContext:
+    """``ctx`` for dense bucket ``k`` on its own."""
+    return ctx._replace(buckets=(ctx.buckets[k],))
+
+
+def start_bucket(buffer: torch.Tensor, hook: Hook, state: Any, ctx: SyncContext) -> torch.Tensor:
+    """One complete dense bucket through a bucketwise hook: issued, its result maybe in flight.
+
+    ``ctx.buckets`` names the bucket alone (``alone(ctx, k)``); ``state`` is the
+    hook's (which holds no tensors: it is the same for every bucket). On a 2-D mesh the
+    bucket is reduce-scattered within the node, its shard goes through the hook
+    across nodes, and the all-gather within the node is issued; ``finish_bucket``
+    waits for the result.
+    """
+    if _comm.hierarchy(ctx.group) is None:
+        out, _ = start_hook([buffer], hook, state, ctx)
+        return out[0]
+    across, within = _levels(ctx.group)
+    shards = reduce_within([buffer], within)
+    out, _ = reduce_across(shards, hook, state, ctx, across, within)
+    return _comm.all_gather(out[0], within)
+
+
+def finish_bucket(pending: torch.Tensor, ctx: SyncContext) -> torch.Tensor:
+    """The reduced buffer of a bucket that ``start_bucket`` started, waited for and checked."""
+    if _comm.hierarchy(ctx.group) is None:
+        return finish_hook([pending], ctx)[0]
+    return _comm.wait(pending)[: ctx.buckets[0].numel]
+
+
+def start_within(buffer: torch.Tensor, group: _comm.Group) -> torch.Tensor:
+    """A dense bucket's reduce-scatter within the node issued: this rank's shard, in flight.
+
+    On a 1-D group, where every rank is a node of its own, the bucket itself.
+    """
+    within = _levels(group)[1]
+    if within is None:
+        return buffer
+    return _comm.reduce_scatter(_pack.pad_to_shards(buffer, _comm.size(within)), "sum", within)
+
+
+def reduce_started(
+    started: list[torch.Tensor], hook: Hook, state: Any, ctx: SyncContext
+) -> tuple[list[torch.Tensor], Any]:
+    """``reduce_dense`` for buckets whose within-node part ``start_within`` already issued."""
+    across, within = _levels(ctx.group)
+    if within is None:
+        return apply_hook(started, hook, state, ctx)
+    shards = [_comm.wait(s) for s in started]
+    out, state = reduce_across(shards, hook, state, ctx, across, within)
+    return gather_within(out, ctx.buckets, within), state
+
+
+def with_sparse(
+    reduced: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    plan: BucketPlan,
+    ctx: SyncContext,
+) -> list[torch.Tensor]:
+    """Reduced dense buffers and the mean of each sparse one, in the plan's order."""
+    out = iter(reduced)
+    return [
+        _sparse.sparse_mean(b, ctx) if spec.sparse else next(out)
+        for b, spec in zip(buffers, plan.specs, strict=True)
+    ]
+
+
+# --- the stages back to back ---------------------------------------------------------------------
+
+
+def reduce(
+    leaves: Sequence[torch.Tensor | None],
+    plan: BucketPlan,
+    options: SyncOptions,
+    hook_state: Any,
+    group: _comm.Group,
+    *,
+    active: bool = True,
+    step: torch.Tensor | None = None,
+    state_fingerprint: torch.Tensor | None = None,
+) -> Reduced:
+    """One whole sync: agree and pack, every bucket reduced, sparse ones averaged."""
+    hook = hook_of(options)
+    check_sparse(plan, hook, agreed=False)
+    agreed, buffers = agree_and_pack(
+        leaves,
+        plan,
+        options,
+        group,
+        active=active,
+        step=step,
+        state_fingerprint=state_fingerprint,
+    )
+    check_sparse(plan, hook, agreed=True)
+    ctx = context(plan, group, agreed.divisor)
+    out, hook_state = reduce_dense(dense(buffers, plan), hook, hook_state, ctx)
+    return Reduced(with_sparse(out, buffers, plan, ctx), agreed.used, hook_state)
+
+
+def reduce_add(
+    leaves: Sequence[torch.Tensor | None],
+    plan: BucketPlan,
+    options: SyncOptions,
+    group: _comm.Group,
+    *,
+    step: torch.Tensor | None = None,
+    state_fingerprint: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """A deferred reduce's first part: agree, pack, reduce-scatter within the node.
+
+    Per dense bucket, this rank's within-node shard of the node's sum (the whole
+    bucket where every rank is a node of its own, a 1-D group): what
+    [fsync.DeferredSync][] accumulates over micro-batches.
+    """
+    _, buffers = agree_and_pack(
+        leaves,
+        plan,
+        options,
+        group,
+        step=step,
+        state_fingerprint=state_fingerprint,
+        stage="add",
+    )
+    return reduce_within(dense(buffers, plan), _levels(group)[1])
+
+
+def reduce_finish(
+    shards: Sequence[torch.Tensor],
+    micro: torch.Tensor,
+    plan: BucketPlan,
+    options: SyncOptions,
+    hook_state: Any,
+    group: _comm.Group,
+    *,
+    step: torch.Tensor | None = None,
+    state_fingerprint: torch.Tensor | None = None,
+) -> Reduced:
+    """A deferred reduce's last part: the hook across nodes on accumulated shards, then gather.
+
+    ``shards`` (as ``reduce_add`` returned them, summed over ``micro``
+    micro-batches) are divided by ``micro`` times the world size.
+    """
+    hook = hook_of(options)
+    agreed, held = agree_on(
+        plan,
+        [None] * len(plan.leaves),
+        group,
+        hook=agreed_spec(hook, group, "finish"),
+        find_unused=options.find_unused,
+        divide_by=options.divide_by,
+        active=False,
+        step=step,
+        state_fingerprint=state_fingerprint,
+        pack=functools.partial(_after, shards),
+    )
+    ctx = context(plan, group, agreed.divisor)
+    ctx = ctx._replace(divisor=micro.clamp(min=1) * agreed.divisor, owned=False)
+    across, within = _levels(group)
+    out, hook_state = reduce_across(held, hook, hook_state, ctx, across, within)
+    return Reduced(gather_within(out, ctx.buckets, within), agreed.used, hook_state)
+
+
+def _after(shards: Sequence[torch.Tensor], token: torch.Tensor | None) -> list[torch.Tensor]:
+    """Accumulated shards, made to wait for the agreement (``token``) as packed buckets do."""
+    return [s if token is None else s * token for s in shards]
+
+
+def _levels(group: _comm.Group) -> tuple[_comm.Group, _comm.Group | None]:
+    """``(across, within)`` of a 2-D mesh; ``(group, None)`` where every rank is a node."""
+    return _comm.hierarchy(group) or (group, None)
+
+
+def sync_tree(grads: Any, options: SyncOptions, group: _comm.Group, *, active: bool = True) -> Any:
+    """A stateless sync of a gradient tree: plan it, reduce it, the synced tree back."""
+    leaves, plan, rebuild = plan_tree(grads, options.plan)
+    state = init_hook(options, plan, group)
+    if optree.tree_leaves(state, namespace=_tree.NAMESPACE):
+        raise ValueError(_checks.STATEFUL_HOOK)
+    return rebuild(unpack_reduced(reduce(leaves, plan, options, state, group, active=active), plan))
+
+
+def unpack_reduced(reduced: Reduced, plan: BucketPlan) -> list[torch.Tensor | None]:
+    """The leaves of reduced buffers; ``None`` where no rank had a gradient (``find_unused``)."""
+    out = _pack.unpack_leaves(reduced.buffers, plan)
+    if reduced.used is not None:
+        out = [leaf if keep else None for leaf, keep in zip(out, reduced.used, strict=True)]
+    return out

@@ -22,7 +22,7 @@ from fsync._hierarchy import shard_plan
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan, MiB, count
 from fsync._planner import plan_tree
-from fsync._reduce import init_hook, local_size, reduce_buckets
+from fsync._reduce import init_hook, local_size, reduce, reduce_add, reduce_finish
 
 
 class SyncStats(NamedTuple):
@@ -195,7 +195,7 @@ def sync_stats(
     hook_state = init_hook(sync_options, plan, recorder) if state is None else state
     with torch.no_grad():
         if not micro_batches:
-            reduce_buckets(leaves, plan, sync_options, hook_state, recorder)
+            reduce(leaves, plan, sync_options, hook_state, recorder)
         else:
             _deferred_step(leaves, plan, sync_options, hook_state, recorder, micro_batches)
     buckets = tuple(c for c in recorder.calls if not c.control)
@@ -225,12 +225,9 @@ def _deferred_step(
 ) -> None:
     """One [fsync.DeferredSync][] step's reduces: ``add`` per micro-batch, then ``finish``."""
     for _ in range(micro_batches):
-        reduce_buckets(leaves, plan, options, hook_state, recorder, stage="add")
+        reduce_add(leaves, plan, options, recorder)
     shards = [
         torch.zeros(s.numel, dtype=s.dtype, device=s.device)
         for s in shard_plan(plan, local_size(recorder)).specs
     ]
-    micro = torch.tensor(micro_batches)
-    reduce_buckets(
-        leaves, plan, options, hook_state, recorder, stage="finish", shards=shards, micro=micro
-    )
+    reduce_finish(shards, torch.tensor(micro_batches), plan, options, hook_state, recorder)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import optree
 import torch
 from typing_extensions import Unpack
 
@@ -22,7 +21,7 @@ from fsync._agree import verify_plan
 from fsync._hook import Hook
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan, LeafSpec
-from fsync._reduce import hook_of, init_hook, reduce_buckets, unpack_reduced
+from fsync._reduce import hook_of, init_hook, reduce, sync_tree, unpack_reduced
 from fsync._serialization import register_state
 
 
@@ -106,12 +105,7 @@ def sync_grads(
         raise ValueError(_checks.FIND_UNUSED_NEEDS_STATE)
     _checks.check_flag("active", active)
     _comm.check_group(group)
-    leaves, plan, rebuild = _planner.plan_tree(grads, sync_options.plan)
-    state = init_hook(sync_options, plan, group)
-    if optree.tree_leaves(state, namespace=_tree.NAMESPACE):
-        raise ValueError(_checks.STATEFUL_HOOK)
-    reduced = reduce_buckets(leaves, plan, sync_options, state, group, active=active)
-    return rebuild(unpack_reduced(reduced, plan))
+    return sync_tree(grads, sync_options, group, active=active)
 
 
 class GradSync:
@@ -220,7 +214,7 @@ class GradSync:
         if grads is None and active:
             raise ValueError(_checks.NO_GRADS)
         leaves, plan, rebuild = _fit(self, grads, state)
-        reduced = reduce_buckets(
+        reduced = reduce(
             leaves,
             plan,
             self.options,

@@ -36,7 +36,7 @@ from fsync._agree import verify_plan
 from fsync._hook import Hook
 from fsync._options import SyncOptions
 from fsync._plan import BucketPlan
-from fsync._reduce import hook_of, init_hook, reduce_buckets
+from fsync._reduce import agree_and_pack, context, hook_of, init_hook, reduce_dense
 from fsync._serialization import register_state
 from fsync.optim._base import Optimizer
 
@@ -210,6 +210,24 @@ def _gather(
         for owner, spec, dtype in zip(layout.owners, specs, dtypes, strict=True)
     ]
     return _comm.broadcasts(sent, list(layout.owners), group)
+
+
+def _reduced_pieces(
+    step: ZeroStep, grads: Sequence[torch.Tensor | None], layout: ZeroLayout, state: ZeroState
+) -> tuple[list[torch.Tensor], Any]:
+    """The gradients' mean over the ranks, this rank's pieces of it; the hook's new state."""
+    agreed, buckets = agree_and_pack(
+        grads,
+        layout.plan,
+        step.options,
+        step.group,
+        step=state.step,
+        state_fingerprint=state.layout[0],
+    )
+    # Each rank needs only its shard of a bucket: the hook may reduce-scatter it.
+    ctx = context(layout.plan, step.group, agreed.divisor, scatter=step.shard_buckets)
+    reduced, hook_state = reduce_dense(buckets, step.hook, state.hook, ctx)
+    return _grad_pieces(layout, reduced), hook_state
 
 
 def _grad_pieces(layout: ZeroLayout, reduced: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -468,17 +486,7 @@ class ZeroStep:
                     "pass the parameter tree given to init."
                 )
         g_leaves = _fit(self, grads, state, "grads")[0].leaves
-        reduced, _, hook_state = reduce_buckets(
-            g_leaves,
-            plan,
-            self.options,
-            state.hook,
-            self.group,
-            scatter=self.shard_buckets,
-            step=state.step,
-            state_fingerprint=state.layout[0],
-        )
-        grad_pieces = _grad_pieces(layout, reduced)
+        grad_pieces, hook_state = _reduced_pieces(self, g_leaves, layout, state)
         specs = plan.specs
         param_pieces = [pack_range(p_leaves, plan, p, specs[p.bucket].dtype) for p in layout.pieces]
         new_pieces, opt_state = self.optimizer.update(param_pieces, grad_pieces, state.opt)
