@@ -7,9 +7,10 @@
         --checkpoint /tmp/gpt.pt --resume
 
 Every rank draws its own random windows of the training text (the first 90% of
-``examples/data/corpus.txt``) and computes gradients with ``torch.func``; the
-step (forward, backward, ``fsync.sync_grads``, ``fsync.optim.adamw``) runs
-eagerly, or with ``--compile`` as one ``fsync.compile`` graph (faster steps, but
+``examples/data/corpus.txt``) and computes synced gradients with
+``fsync.grad_and_value``; the step (forward, backward with the all-reduces
+started as it goes, ``fsync.optim.adamw``) runs eagerly, or with ``--compile`` as
+one ``fsync.compile`` graph (faster steps, but
 compiling takes about a minute on a two-core machine the first time). The
 learning rate is a tensor changed in place by the schedule, so the compiled
 step never recompiles. The progress bar shows the loss (mean over ranks) and
@@ -144,13 +145,15 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             f"{len(corpus.chars)} characters; it was trained on another text."
         )
 
+    # torch.func.grad_and_value with DDP's bucketed all-reduce mean: eagerly each bucket's
+    # all-reduce starts as backward completes it.
     loss_fn = next_char_loss(model)
+    grad_fn = fsync.grad_and_value(loss_fn)
 
     def train_step(
         params: Params, opt_state: Any, x: torch.Tensor, y: torch.Tensor
     ) -> tuple[Params, Any, torch.Tensor]:
-        grads, loss = torch.func.grad_and_value(loss_fn)(params, x, y)
-        grads = fsync.sync_grads(grads)  # DDP's bucketed all-reduce mean
+        grads, loss = grad_fn(params, x, y)
         params, opt_state = opt.update(params, grads, opt_state)
         return params, opt_state, loss
 

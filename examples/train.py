@@ -7,11 +7,13 @@ Run with two CPU processes on gloo:
 
 Each rank trains the same MLP on its own shard of a synthetic regression task
 (a fixed random "teacher" network), syncing gradients inside one compiled
-function (forward, backward, sync, ``fsync.optim.adam`` update): with
-``fsync.sync_grads`` for stateless hooks, with ``fsync.GradSync`` and its state
-for PowerSGD. It prints the bucket plan, shows progress and loss, reports the
-loss on held-out data, and ends by checking that every rank holds bit-identical
-parameters. ``--device cuda`` runs it on GPUs (NCCL, one GPU per process).
+function (forward, backward, sync, ``fsync.optim.adam`` update): the gradient
+call is ``fsync.grad_and_value`` for stateless hooks, ``GradSync.grad_and_value``
+with its state for PowerSGD. With ``--no-compile`` the same step runs eagerly, each
+bucket's all-reduce starting as backward completes it. It prints the bucket plan,
+shows progress and loss, reports the loss on held-out data, and ends by checking
+that every rank holds bit-identical parameters. ``--device cuda`` runs it on GPUs
+(NCCL, one GPU per process).
 """
 
 from __future__ import annotations
@@ -93,12 +95,17 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     def loss_fn(params, x, y):
         return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
 
+    # torch.func.grad_and_value whose gradients come back averaged over the ranks.
+    if grad_sync is None:
+        grad_fn = fsync.grad_and_value(loss_fn, hook=hook, **sync_options)
+    else:
+        stateful_grad_fn = grad_sync.grad_and_value(loss_fn)
+
     def train_step(params, opt_state, sync_state, x, y):
-        loss, grads = torch.func.grad_and_value(loss_fn)(params, x, y)[::-1]
         if grad_sync is None:
-            grads = fsync.sync_grads(grads, hook=hook, **sync_options)
+            grads, loss = grad_fn(params, x, y)
         else:
-            grads, sync_state = grad_sync(grads, sync_state)
+            (grads, loss), sync_state = stateful_grad_fn(sync_state, params, x, y)
         params, opt_state = opt.update(params, grads, opt_state)
         return params, opt_state, sync_state, loss
 

@@ -2,7 +2,9 @@
 
 Inside a functional train step, ``grads = fsync.sync_grads(grads)`` does what DDP's
 Reducer does (bucketed all-reduce mean, DDP's bucket layout and scaling), eagerly or
-under ``torch.compile(fullgraph=True)``. Hooks (``fsync.ops``) transform the buckets;
+under ``torch.compile(fullgraph=True)``; ``fsync.grad_and_value(loss_fn)`` is
+``torch.func.grad_and_value`` whose gradients come back synced, communication started
+as backward completes each bucket. Hooks (``fsync.ops``) transform the buckets;
 ``fsync.GradSync`` threads their state; ``fsync.diloco`` syncs a pseudo-gradient every H
 steps (DiLoCo, local SGD).
 """
@@ -12,6 +14,7 @@ from fsync._accumulate import DeferredState, DeferredSync, accumulate
 from fsync._broadcast import broadcast, sync_buffers
 from fsync._compile import compile
 from fsync._diloco import DiLoCo, DiLoCoState, diloco
+from fsync._grad import grad, grad_and_value
 from fsync._hook import Hook, SyncContext, chain
 from fsync._options import SyncOptions
 from fsync._pack import pack, unpack
@@ -44,6 +47,8 @@ __all__ = [
     "compile",
     "compute_bucket_assignment_by_size",
     "diloco",
+    "grad",
+    "grad_and_value",
     "ops",
     "optim",
     "pack",

@@ -34,6 +34,11 @@ REQUIRES_GRAD = (
     "instead of the gradients? Sync the output of torch.func.grad, or p.grad for each "
     "parameter after loss.backward()."
 )
+NOT_DIFFERENTIABLE = (
+    "argument leaf {path!r} {kind}; fsync.grad_and_value differentiates dense floating point "
+    "tensors (as torch.func does). Pass integer tensors, buffers and settings in an argument "
+    "that argnums leaves out."
+)
 SEVERAL_DEVICES = (
     "the tree's leaves are on several devices: {where}. fsync syncs the leaves of one device "
     "per call: move them with .to(device), or sync each device's tree separately."
@@ -201,6 +206,14 @@ def check_gradient(spec: LeafSpec, meta: TensorMeta) -> None:
         raise TypeError(NOT_FLOATING.format(path=spec.path, dtype=meta.dtype))
     if meta.requires_grad:
         raise ValueError(REQUIRES_GRAD.format(path=spec.path))
+
+
+def check_differentiable(plan: BucketPlan) -> None:
+    """Raises unless every tensor leaf of ``plan`` can be differentiated (dense, floating)."""
+    for spec in plan.leaves:
+        if spec is not None and (spec.sparse or not spec.dtype.is_floating_point):
+            kind = "is sparse" if spec.sparse else f"has dtype {spec.dtype}"
+            raise TypeError(NOT_DIFFERENTIABLE.format(path=spec.path, kind=kind))
 
 
 def check_one_device(plan: BucketPlan) -> None:

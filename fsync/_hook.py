@@ -103,6 +103,16 @@ class Hook(NamedTuple):
             error instead of wrong numbers. fsync's hooks fill it in; for a
             hook of your own, name its settings here (left empty, the module
             and name of ``apply`` stand in).
+        bucketwise: ``True`` for a hook that keeps no state and treats each
+            bucket on its own, so that ``apply`` called on one bucket at a time
+            (``ctx.buckets`` naming that bucket) issues the same collectives, in
+            the same order, and gives the same buffers as called on all of them.
+            [fsync.grad_and_value][] then starts a bucket's hook as soon as
+            backward completes the bucket; any other hook runs once every bucket
+            is ready. fsync's all-reduce, quantisation and ``noop`` are
+            bucketwise, so are fp16/bf16 compression around a bucketwise hook
+            and a [chain][fsync.chain] of bucketwise hooks; PowerSGD is not (its
+            state spans the buckets). Default ``False``: always correct.
 
     Example:
         >>> import fsync
@@ -115,6 +125,7 @@ class Hook(NamedTuple):
     init: InitFn
     apply: ApplyFn
     spec: str = ""
+    bucketwise: bool = False
 
 
 def hook_spec(hook: Hook, /) -> str:
@@ -185,4 +196,5 @@ def chain(*hooks: Hook) -> Hook:
             new_state.append(hook_state)
         return buckets, tuple(new_state)
 
-    return Hook(init, apply, spec_of("chain", *(hook_spec(h) for h in hooks)))
+    spec = spec_of("chain", *(hook_spec(h) for h in hooks))
+    return Hook(init, apply, spec, bucketwise=all(h.bucketwise for h in hooks))

@@ -11,12 +11,13 @@ layer below (1 to 6).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from typing_extensions import Unpack
 
-from fsync import _checks, _comm, _planner, _tree
+from fsync import _checks, _comm, _grad, _planner, _tree
 from fsync._agree import verify_plan
 from fsync._hook import Hook
 from fsync._options import OptionKeywords, SyncOptions
@@ -119,22 +120,14 @@ class GradSync:
     fixed from the first step: no warm-up iterations, no rebuild.
 
     Args:
-        group: ``None`` for the default process group, a ``ProcessGroup``, a
-            1-D ``DeviceMesh``, a ``(DeviceMesh, dim)`` pair, or a 2-D
-            ``DeviceMesh`` ``(nodes, local)`` with ``mesh_dim_names``: a
-            hierarchical mean (reduce-scatter within the node, ``hook`` across
-            nodes on the ``1/local`` shards, whose plan its state is made for,
-            all-gather within; see the guide "Many nodes").
+        group: The group to average over, as for [fsync.sync_grads][] (on a 2-D
+            mesh the hook's state is made for the shards it sees across nodes).
         **options: The sync options, fields of [fsync.SyncOptions][]: ``hook``
-            (any [fsync.Hook][], stateful ones included), ``bucket_cap_mb``,
-            ``first_bucket_mb``, ``reduce_dtype``, ``order``, ``buckets``,
-            ``divide_by`` and ``find_unused``: gradients may then be ``None``
-            for parameters some ranks did not use (DDP's
-            ``find_unused_parameters=True``); one small collective per step
-            finds which leaves any rank used, a leaf used nowhere comes back
-            ``None``, one used somewhere is averaged over all ranks with zeros
-            from the others (eager only). Without it a ``None`` gradient counts
-            as zeros.
+            (any [fsync.Hook][], stateful ones included), the bucket options,
+            ``reduce_dtype``, ``divide_by`` and ``find_unused`` (eager only):
+            gradients may then be ``None`` for parameters some ranks did not
+            use, as with DDP's ``find_unused_parameters=True``. Without it a
+            ``None`` gradient counts as zeros.
 
     Attributes:
         options: The [fsync.SyncOptions][] given, validated.
@@ -162,6 +155,9 @@ class GradSync:
     def plan(self, state: SyncState, /) -> BucketPlan:
         """The bucket plan of ``state`` (made by [init][fsync.GradSync.init])."""
         return _fit(self, None, state).plan
+
+    def _fit_argument(self, tree: Any, state: SyncState) -> _planner.Planned:
+        return _fit(self, tree, state, what="argument")
 
     def init(self, tree: Any, /) -> SyncState:
         """Plans the buckets for ``tree``, checks the plan across ranks, returns the state.
@@ -227,8 +223,42 @@ class GradSync:
         new_state = state._replace(hook=reduced.hook_state, step=state.step + 1)
         return rebuild(unpack_reduced(reduced, plan)), new_state
 
+    def grad_and_value(
+        self, fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False
+    ) -> Callable[..., tuple[tuple[Any, Any], SyncState]]:
+        """The stateful [fsync.grad_and_value][]: a gradient call that syncs with this object.
 
-def _fit(sync: GradSync, grads: Any, state: SyncState) -> _planner.Planned:
+        Eagerly, buckets start as backward completes them when the hook is
+        bucketwise; a hook with state (PowerSGD) runs once backward is over, on
+        buckets packed while it ran. ``find_unused`` leaves a parameter that no
+        rank's ``fn`` reaches ``None`` (DDP's rule, from the autograd graph).
+
+        Returns:
+            A function ``(state, *args, **kwargs) -> ((grads, value), state)``
+            (``(grads, (value, aux))`` with ``has_aux``): ``fn``'s arguments
+            after the [fsync.SyncState][], whose tree the differentiated
+            arguments must fit.
+
+        Example:
+            >>> import torch, fsync
+            >>> sync = fsync.GradSync()
+            >>> state = sync.init({"w": torch.zeros(2)})
+            >>> step = sync.grad_and_value(lambda p: (p["w"] ** 2).sum())
+            >>> (grads, loss), state = step(state, {"w": torch.ones(2)})
+            >>> grads["w"], int(state.step)
+            (tensor([2., 2.]), 1)
+        """
+        return _grad.stateful(self, self._fit_argument, fn, argnums, has_aux)
+
+    def grad(
+        self, fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False
+    ) -> Callable[..., tuple[Any, SyncState]]:
+        """[grad_and_value][fsync.GradSync.grad_and_value] without the value: ``torch.func.grad``'s
+        results (``grads``, or ``(grads, aux)``) and the new state."""
+        return _grad.stateful(self, self._fit_argument, fn, argnums, has_aux, value=False)
+
+
+def _fit(sync: GradSync, grads: Any, state: SyncState, what: str = "grads") -> _planner.Planned:
     """``grads`` fitted to the plan of ``state`` (rebuilt from its ``like`` tree)."""
     if not isinstance(state, SyncState):
         raise TypeError(
@@ -239,7 +269,7 @@ def _fit(sync: GradSync, grads: Any, state: SyncState) -> _planner.Planned:
         grads,
         state.like,
         sync.options.plan,
-        what="grads",
+        what=what,
         default_device=lambda: _comm.default_device(sync.group),
     )
 

@@ -60,4 +60,4 @@ def allreduce(op: Literal["mean", "sum"] = "mean") -> Hook:
                 out.append(_comm.all_reduce(b, "sum", ctx.group, inplace=fresh))
         return out, state
 
-    return Hook(init, apply, spec_of("allreduce", op=op))
+    return Hook(init, apply, spec_of("allreduce", op=op), bucketwise=True)

@@ -69,7 +69,7 @@ def _compress(name: str, dtype: torch.dtype, inner: Hook | None) -> Hook:
         # Element-wise, so a shard (ctx.scatter) is cast back as well as a whole bucket.
         return [o.to(spec.dtype) for o, spec in zip(out, ctx.buckets, strict=True)], state
 
-    return Hook(init, apply, spec_of(name, hook_spec(inner)))
+    return Hook(init, apply, spec_of(name, hook_spec(inner)), bucketwise=inner.bucketwise)
 
 
 def fp16_compress(inner: Hook | None = None) -> Hook:

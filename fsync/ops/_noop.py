@@ -31,4 +31,4 @@ def noop() -> Hook:
     def apply(buckets: Buckets, state: Any, ctx: SyncContext) -> tuple[Buckets, Any]:
         return buckets, state
 
-    return Hook(init, apply, "noop()")
+    return Hook(init, apply, "noop()", bucketwise=True)

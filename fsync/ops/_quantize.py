@@ -139,4 +139,5 @@ def quantize(bits: int = 8, *, per_channel: bool = False, channel_size: int = 51
         return [reduce(b, ctx) for b in buckets], state
 
     settings = {"per_channel": per_channel, "channel_size": channel_size}
-    return Hook(init, apply, spec_of("quantize", bits=bits, **settings))
+    spec = spec_of("quantize", bits=bits, **settings)
+    return Hook(init, apply, spec, bucketwise=True)

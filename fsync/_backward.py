@@ -1,0 +1,497 @@
+"""Gradients that sync while backward runs: the eager half of [fsync.grad_and_value][].
+
+``torch.func.grad`` returns every gradient at once, after the last backward
+kernel, so a sync called afterwards can hide nothing. DDP's Reducer overlaps by
+starting a bucket's all-reduce from an autograd hook the moment the bucket's
+last gradient exists. Here the gradient call is fsync's own, and one call does
+the same with nothing kept afterwards:
+
+1. the differentiated arguments' tensor leaves are detached and made to
+   require grad (as ``torch.func`` wraps them), ``fn`` runs (the forward pass),
+   and the ranks' agreement is issued (``_agree.begin``): only its control
+   all-reduce, which is on the wire during backward;
+2. one backward (``torch.autograd.grad`` over those leaves, nothing accumulated
+   anywhere else); a hook on each leaf copies its gradient into its bucket, in
+   the bucket's dtype and the leaf's memory order, and hands autograd the
+   bucket's slice in place of the gradient, so no second copy is kept;
+3. a thread of the call starts complete buckets in the plan's order (a complete
+   bucket waits for those before it, as in DDP's Reducer): the first waits for
+   the agreement, each then goes through a bucketwise hook on its own
+   (``_reduce.start_bucket``), or, for any other hook, waits for the rest (on a
+   2-D mesh its within-node reduce-scatter is issued already);
+4. after backward, a leaf that got no gradient (``fn`` does not use it) is
+   zeros, the buckets left are started, a hook that is not bucketwise runs on
+   all of them, the call waits and unpacks.
+
+Why a thread: a hook may wait for its own collective before it returns (a
+compressing hook casts the result back, ``quantize`` dequantises it); on
+backward's thread that would stall backward for the whole transfer. The thread
+is the only one that issues the call's bucket collectives, so they leave every
+rank in the plan's order; collectives that ``fn``'s own backward issues on the
+same group (SyncBatchNorm) are not ordered against them: give those a group of
+their own.
+
+Owns: one gradient call's buckets, their filling by autograd and their start
+in plan order. May import: layers 1 to 6 (it composes the reduce's stages with
+autograd, beside ``_reduce``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from fsync import _checks, _comm, _tree
+from fsync._agree import Agreed, Agreement, begin
+from fsync._hook import Hook, SyncContext, hook_spec
+from fsync._options import SyncOptions
+from fsync._plan import BucketPlan, LeafLayout
+from fsync._planner import PLAN_CACHE_SIZE
+from fsync._reduce import (
+    DEFAULT_HOOK,
+    Reduced,
+    agreed_spec,
+    alone,
+    context,
+    finish_bucket,
+    hook_of,
+    reduce_started,
+    start_bucket,
+    start_within,
+)
+from fsync.ops._allreduce import allreduce
+
+
+class _Slot(NamedTuple):
+    """Where one leaf's gradient goes: its bucket, its place there and how it is laid out."""
+
+    bucket: int
+    offset: int
+    numel: int
+    layout: LeafLayout
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _slots(plan: BucketPlan) -> tuple[_Slot | None, ...]:
+    """Per leaf of ``plan`` (flatten order), its ``_Slot``; ``None`` for a ``None`` leaf."""
+    slots: list[_Slot | None] = [None] * len(plan.leaves)
+    for k, spec in enumerate(plan.specs):
+        for i, offset, numel, layout in zip(
+            spec.leaves, spec.offsets, spec.sizes, spec.layouts, strict=True
+        ):
+            slots[i] = _Slot(k, offset, numel, layout)
+    return tuple(slots)
+
+
+def _in_bucket(buffer: torch.Tensor, slot: _Slot) -> torch.Tensor:
+    """The leaf's place in its bucket, viewed in the leaf's memory order (not its dim order)."""
+    piece = buffer.narrow(0, slot.offset, slot.numel)
+    return piece if slot.layout.view is None else piece.view(slot.layout.view)
+
+
+class Buckets:
+    """The buckets of one gradient call: filled by autograd's hooks, started in plan order.
+
+    ``receive`` is each leaf's autograd hook; ``run`` starts the thread that
+    hands complete buckets to ``start`` in the plan's order; ``close`` (after
+    backward) makes the leaves that got no gradient zeros and so completes every
+    bucket; ``join`` waits for the thread and raises what it raised.
+    """
+
+    def __init__(
+        self,
+        plan: BucketPlan,
+        start: Callable[[int, torch.Tensor], None],
+        scale: float | None = None,
+    ) -> None:
+        self._scale = scale
+        self.buffers = [
+            torch.empty(spec.numel, dtype=spec.dtype, device=spec.device) for spec in plan.specs
+        ]
+        self._slots = _slots(plan)
+        self._missing = [len(spec.leaves) for spec in plan.specs]
+        self._arrived = [slot is None for slot in self._slots]
+        self._changed = threading.Condition()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._order = _DeviceOrder(plan)
+        self._thread = threading.Thread(
+            target=self._start_in_order, args=(start,), name="fsync-buckets", daemon=True
+        )
+
+    def receive(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """Leaf ``i``'s gradient into its bucket; what autograd keeps instead (a view of it)."""
+        slot = self._slots[i]
+        assert slot is not None
+        target = _in_bucket(self.buffers[slot.bucket], slot)
+        dense = grad.to_dense() if grad.layout != torch.strided else grad
+        source = dense if slot.layout.perm is None else dense.permute(slot.layout.perm)
+        if self._scale is None:
+            target.copy_(source)
+        else:
+            torch.mul(source, self._scale, out=target)
+        self._arrive([i])
+        if slot.layout.dtype is not None or grad.layout != torch.strided:
+            return grad
+        return target if slot.layout.inverse is None else target.permute(slot.layout.inverse)
+
+    def skip(self, indices: Sequence[int]) -> None:
+        """Leaves that will get no gradient: zeros in their buckets, which can start sooner."""
+        for i in indices:
+            slot = self._slots[i]
+            assert slot is not None
+            _in_bucket(self.buffers[slot.bucket], slot).zero_()
+        self._arrive(indices)
+
+    def close(self) -> None:
+        """Backward is over: every leaf still missing is zeros, every bucket complete."""
+        with self._changed:
+            missing = [i for i, arrived in enumerate(self._arrived) if not arrived]
+        self.skip(missing)
+
+    def _arrive(self, indices: Sequence[int]) -> None:
+        with self._changed:
+            for i in indices:
+                slot = self._slots[i]
+                assert slot is not None and not self._arrived[i]
+                self._arrived[i] = True
+                self._missing[slot.bucket] -= 1
+                if self._missing[slot.bucket] == 0:
+                    self._order.record(slot.bucket)
+                    self._changed.notify_all()
+
+    def run(self) -> None:
+        """Starts the thread that starts complete buckets."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """No bucket is started from now on (the call failed)."""
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+
+    def join(self, *, quiet: bool = False) -> None:
+        """Waits for the thread; raises what it raised (unless ``quiet``)."""
+        self._thread.join()
+        if self._error is not None and not quiet:
+            raise self._error
+
+    def _ready(self, k: int) -> bool:
+        return self._stopped or not self._missing[k]
+
+    def _start_in_order(self, start: Callable[[int, torch.Tensor], None]) -> None:
+        try:
+            with self._order.device():
+                for k, buffer in enumerate(self.buffers):
+                    with self._changed:
+                        self._changed.wait_for(functools.partial(self._ready, k))
+                        if self._stopped:
+                            return
+                    self._order.wait(k)
+                    start(k, buffer)
+        except BaseException as error:  # handed to the caller's thread by join
+            self._error = error
+
+
+class _DeviceOrder:
+    """On an accelerator, a bucket's collectives wait for the kernels that filled it.
+
+    Autograd fills buckets on its own streams; the starting thread issues on the
+    stream that was current when the call began. On the CPU there is nothing to
+    order.
+    """
+
+    def __init__(self, plan: BucketPlan) -> None:
+        device = plan.specs[0].device if plan.specs else torch.device("cpu")
+        self._cuda = device.type == "cuda"
+        self._device = device
+        self._stream = torch.cuda.current_stream(device) if self._cuda else None
+        self._events: dict[int, Any] = {}
+
+    def record(self, bucket: int) -> None:
+        if self._cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(self._device))
+            self._events[bucket] = event
+
+    def wait(self, bucket: int) -> None:
+        if self._cuda and self._stream is not None:
+            self._stream.wait_event(self._events.pop(bucket))
+
+    def device(self) -> Any:
+        if self._cuda and self._stream is not None:
+            return torch.cuda.stream(self._stream)
+        return _Nothing()
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class Reducer:
+    """What happens to one gradient call's buckets: the reduce's stages, bucket by bucket.
+
+    ``start(k, buffer)`` runs on the bucket thread for each complete bucket in
+    plan order; ``finish(buffers)`` runs on the caller's thread after it.
+    """
+
+    def __init__(
+        self,
+        plan: BucketPlan,
+        hook: Hook,
+        hook_state: Any,
+        group: _comm.Group,
+        agreement: Agreement,
+    ) -> None:
+        self._plan, self._hook, self._state, self._group = plan, hook, hook_state, group
+        self._agreement = agreement
+        self._per_bucket = hook.bucketwise and not optree.tree_leaves(
+            hook_state, namespace=_tree.NAMESPACE
+        )
+        self._agreed: Agreed | None = None
+        self._ctx: SyncContext | None = None
+        self._started: list[torch.Tensor] = []
+
+    def _context(self) -> tuple[Agreed, SyncContext]:
+        if self._agreed is None or self._ctx is None:
+            self._agreed = self._agreement.conclude()
+            self._ctx = context(self._plan, self._group, self._agreed.divisor)
+        return self._agreed, self._ctx
+
+    def start(self, k: int, buffer: torch.Tensor) -> None:
+        """Bucket ``k`` is complete: start what can start (the agreement first)."""
+        _, ctx = self._context()
+        if self._per_bucket:
+            self._started.append(start_bucket(buffer, self._hook, self._state, alone(ctx, k)))
+        else:
+            self._started.append(start_within(buffer, self._group))
+
+    def finish(self) -> Reduced:
+        """Every bucket reduced: waited for, or, for a hook that is not bucketwise, run now."""
+        agreed, ctx = self._context()
+        if self._per_bucket:
+            out = [finish_bucket(p, alone(ctx, k)) for k, p in enumerate(self._started)]
+            return Reduced(out, agreed.used, self._state)
+        out, state = reduce_started(self._started, self._hook, self._state, ctx)
+        return Reduced(out, agreed.used, state)
+
+
+_SUM = allreduce("sum")
+
+
+def _fused_mean(
+    hook: Hook, options: SyncOptions, plan: BucketPlan, group: _comm.Group
+) -> float | None:
+    """``1 / world_size`` where the default mean can scale each gradient on its way in.
+
+    DDP's Reducer, when no comm hook is set, multiplies each gradient by
+    ``1 / world_size`` as it copies it into the bucket (``mul_out``), then sums.
+    fsync's default hook takes the same product on the packed bucket; taking it
+    in the copy gives the same bits in one pass over memory instead of two, and
+    the bucket is then summed. Only where it is the same product: the default
+    hook, a mean over the world (not ``divide_by="active"``, known only after
+    the agreement), a flat group (a mesh scales the node's sum) and every bucket
+    in its leaves' dtype.
+    """
+    flat = _comm.hierarchy(group) is None and _comm.size(group) > 1
+    if hook_spec(hook) != DEFAULT_HOOK.spec or options.divide_by != "world" or not flat:
+        return None
+    return None if plan.reduce_dtype is not None else 1.0 / _comm.size(group)
+
+
+def reachable(output: torch.Tensor, leaves: Sequence[torch.Tensor | None]) -> list[bool]:
+    """Per leaf, whether ``output`` depends on it through the autograd graph (DDP's test).
+
+    DDP with ``find_unused_parameters=True`` walks the graph from the outputs
+    after forward; a leaf it cannot reach gets no gradient on this rank.
+    """
+    found: set[int] = set()
+    seen: set[Any] = set()
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return [leaf is not None and id(leaf) in found for leaf in leaves]
+
+
+class TorchFunc(NamedTuple):
+    """``torch.func.grad_and_value``'s conventions: which arguments, which output, what back.
+
+    Attributes:
+        fn: The function differentiated.
+        argnums: The positional argument (an int) or arguments (a tuple of ints)
+            differentiated; negative numbers count from the end.
+        has_aux: Whether ``fn`` returns ``(value, aux)`` rather than ``value``.
+    """
+
+    fn: Callable[..., Any]
+    argnums: int | tuple[int, ...]
+    has_aux: bool
+
+    @classmethod
+    def of(cls, fn: Any, argnums: Any, has_aux: Any) -> TorchFunc:
+        """The settings, checked as ``torch.func`` checks them, in fsync's words."""
+        if not callable(fn):
+            raise TypeError(f"fn is a {type(fn).__name__}; expected a function to differentiate.")
+        numbers = argnums if isinstance(argnums, tuple) else (argnums,)
+        if not numbers or not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
+            raise TypeError(
+                f"argnums must be an int or a non-empty tuple of ints; got {argnums!r}."
+            )
+        if len(set(numbers)) != len(numbers):
+            raise ValueError(f"argnums must not repeat an argument; got {argnums!r}.")
+        _checks.check_flag("has_aux", has_aux)
+        return cls(fn, argnums, has_aux)
+
+    def _positions(self, args: Sequence[Any]) -> tuple[int, ...]:
+        numbers = self.argnums if isinstance(self.argnums, tuple) else (self.argnums,)
+        for n in numbers:
+            if not -len(args) <= n < len(args):
+                raise ValueError(
+                    f"argnums names argument {n}, but fn was called with {len(args)} positional "
+                    "arguments; pass the arguments to differentiate positionally."
+                )
+        return tuple(n % len(args) for n in numbers)
+
+    def differentiated(self, args: Sequence[Any]) -> Any:
+        """The tree the gradients are taken for: one argument, or a tuple of them."""
+        positions = self._positions(args)
+        if isinstance(self.argnums, tuple):
+            return tuple(args[n] for n in positions)
+        return args[positions[0]]
+
+    def forward(
+        self, args: Sequence[Any], kwargs: dict[str, Any], rebuild: Callable[[Sequence[Any]], Any]
+    ) -> Callable[[Sequence[torch.Tensor | None]], Any]:
+        """``fn`` as a function of the differentiated leaves (``rebuild`` makes their tree)."""
+        positions = self._positions(args)
+
+        def call(leaves: Sequence[torch.Tensor | None]) -> Any:
+            tree = rebuild(leaves)
+            trees = tree if isinstance(self.argnums, tuple) else (tree,)
+            new = list(args)
+            for n, t in zip(positions, trees, strict=True):
+                new[n] = t
+            return self.fn(*new, **kwargs)
+
+        return call
+
+    def value(self, output: Any) -> torch.Tensor:
+        """The value differentiated: ``output`` or its first half, a scalar tensor."""
+        if self.has_aux:
+            if not isinstance(output, tuple) or len(output) != 2:
+                raise ValueError(
+                    f"fn returned a {type(output).__name__}; with has_aux=True it must return a "
+                    "pair (value, aux)."
+                )
+            output = output[0]
+        if not isinstance(output, torch.Tensor) or output.dim() != 0:
+            got = (
+                f"a tensor of shape {tuple(output.shape)}"
+                if isinstance(output, torch.Tensor)
+                else f"a {type(output).__name__}"
+            )
+            raise ValueError(
+                f"fn returned {got}; expected a scalar tensor (a 0-d loss) to differentiate. "
+                "Reduce it first (loss.mean() or loss.sum()); for other outputs use "
+                "torch.func.vjp."
+            )
+        return output
+
+    def result(self, grads: Any, output: Any) -> tuple[Any, Any]:
+        """``(grads, value)`` or ``(grads, (value, aux))``, as ``torch.func.grad_and_value``."""
+        detached = optree.tree_map(
+            lambda x: x.detach() if isinstance(x, torch.Tensor) else x, output
+        )
+        return grads, detached
+
+    def grad(self, result: tuple[Any, Any]) -> Any:
+        """``grads`` or ``(grads, aux)`` from ``result``: what ``torch.func.grad`` returns."""
+        grads, output = result
+        return (grads, output[1]) if self.has_aux else grads
+
+    def compiled(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        """``torch.func.grad_and_value(fn)(*args, **kwargs)``: what a compiled step traces."""
+        call = torch.func.grad_and_value(self.fn, self.argnums, self.has_aux)
+        grads, output = call(*args, **kwargs)
+        return grads, output
+
+
+class Backward(NamedTuple):
+    """What one eager gradient call returns: synced gradients (as leaves) and ``fn``'s output."""
+
+    reduced: Reduced
+    output: Any
+
+
+def synced_backward(
+    fn: Callable[[Sequence[torch.Tensor | None]], Any],
+    value_of: Callable[[Any], torch.Tensor],
+    leaves: Sequence[torch.Tensor | None],
+    plan: BucketPlan,
+    options: SyncOptions,
+    hook_state: Any,
+    group: _comm.Group,
+    *,
+    step: torch.Tensor | None = None,
+    state_fingerprint: torch.Tensor | None = None,
+) -> Backward:
+    """``fn`` on differentiable copies of ``leaves``, one backward of ``value_of(output)``
+    that syncs as it runs, and the reduced buckets of the plan.
+
+    ``fn(differentiable_leaves)`` is the forward pass; ``leaves`` fit ``plan``
+    (its tensor leaves, in flatten order).
+    """
+    _checks.check_differentiable(plan)
+    hook = hook_of(options)
+    inputs = [None if x is None else x.detach().requires_grad_() for x in leaves]
+    with torch.enable_grad():
+        output = fn(inputs)
+    value = value_of(output)
+    tensors = [x for x in inputs if x is not None]
+    has = reachable(value, tensors) if options.find_unused else [True] * len(tensors)
+    agreement = begin(
+        plan,
+        has,
+        group,
+        hook=agreed_spec(hook, group),
+        find_unused=options.find_unused,
+        divide_by=options.divide_by,
+        active=True,
+        step=step,
+        state_fingerprint=state_fingerprint,
+    )
+    scale = _fused_mean(hook, options, plan, group)
+    reducer = Reducer(plan, hook if scale is None else _SUM, hook_state, group, agreement)
+    buckets = Buckets(plan, reducer.start, scale)
+    indices = [i for i, x in enumerate(inputs) if x is not None]
+    buckets.skip([i for i, used in zip(indices, has, strict=True) if not used])
+    for i, x, used in zip(indices, tensors, has, strict=True):
+        if used:
+            x.register_hook(functools.partial(buckets.receive, i))  # type: ignore[no-untyped-call]
+    buckets.run()
+    try:
+        if value.requires_grad and tensors:
+            torch.autograd.grad(value, tensors, allow_unused=True)
+    except BaseException:
+        buckets.stop()
+        buckets.join(quiet=True)  # backward's own error is the one to report
+        raise
+    buckets.close()
+    buckets.join()
+    return Backward(reducer.finish(), output)
