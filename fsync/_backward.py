@@ -38,6 +38,7 @@ autograd, beside ``_reduce``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -186,7 +187,7 @@ class Buckets:
 
     def _start_in_order(self, start: Callable[[int, torch.Tensor], None]) -> None:
         try:
-            with self._order.device():
+            with self._order.stream():
                 for k, buffer in enumerate(self.buffers):
                     with self._changed:
                         self._changed.wait_for(functools.partial(self._ready, k))
@@ -223,18 +224,11 @@ class _DeviceOrder:
         if self._cuda and self._stream is not None:
             self._stream.wait_event(self._events.pop(bucket))
 
-    def device(self) -> Any:
+    def stream(self) -> Any:
+        """The stream the starting thread issues on (nothing to enter on the CPU)."""
         if self._cuda and self._stream is not None:
             return torch.cuda.stream(self._stream)
-        return _Nothing()
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+        return contextlib.nullcontext()
 
 
 class Reducer:
