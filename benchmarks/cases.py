@@ -169,10 +169,7 @@ def case_step_time(
             plan,
             leaves,
             None,
-            hook=hook,
-            find_unused=False,
-            divide_by="world",
-            active=True,
+            _agree.Terms(hook),
             pack=lambda token: [],  # the agreement alone: nothing packed meanwhile
         ),
         warmup=warmup,

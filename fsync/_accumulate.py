@@ -20,11 +20,11 @@ import torch
 from typing_extensions import Unpack
 
 from fsync import _checks, _comm, _planner, _tree
-from fsync._agree import verify_plan
+from fsync._agree import planned, refuse, verify_plan
 from fsync._hierarchy import shard_plan
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan
-from fsync._reduce import init_hook, local_size, reduce_add, reduce_finish, unpack_reduced
+from fsync._reduce import Reduced, init_hook, local_size, reduce_add, reduce_finish, unpack_reduced
 from fsync._serialization import register_state
 
 
@@ -190,9 +190,8 @@ class DeferredSync:
             ValueError: The ranks' trees differ (raised on every rank).
         """
         _comm.check_group(self.group)
-        plan = _planner.plan_tree(tree, self.options.plan, what="tree").plan
+        plan = planned(lambda: _dense_plan(self.options, tree), self.group)
         verify_plan(plan, self.group, what="trees passed to DeferredSync.init")
-        _check_dense(plan)
         shards = shard_plan(plan, local_size(self.group)).specs
         return DeferredState(
             fingerprint=torch.tensor(plan.fingerprint, dtype=torch.int64),
@@ -218,17 +217,11 @@ class DeferredSync:
             TypeError: A leaf is not a floating point tensor.
             ValueError: ``grads`` does not fit the plan, or the ranks disagree.
         """
-        if grads is None:
-            raise ValueError(_checks.NO_GRADS)
-        leaves, plan, _ = _fit(self, grads, state)
-        added = reduce_add(
-            leaves,
-            plan,
-            self.options,
-            self.group,
-            step=state.step,
-            state_fingerprint=state.fingerprint,
-        )
+        try:
+            leaves, plan, _ = _fit(self, _checks.given(grads), state)
+        except (ValueError, TypeError) as error:
+            return refuse(error, self.group, like=state)  # type: ignore[no-any-return]
+        added = _reduce_add(self, leaves, plan, state)
         shards = tuple(
             torch.add(total, shard) for total, shard in zip(state.shards, added, strict=True)
         )
@@ -247,19 +240,14 @@ class DeferredSync:
         Raises:
             ValueError: No micro-batch was added, or the ranks disagree.
         """
-        if not torch.compiler.is_compiling() and int(state.micro) == 0:
-            raise ValueError(_NOTHING_ADDED)
-        _, plan, rebuild = _fit(self, None, state)
-        reduced = reduce_finish(
-            state.shards,
-            state.micro,
-            plan,
-            self.options,
-            state.hook,
-            self.group,
-            step=state.step,
-            state_fingerprint=state.fingerprint,
-        )
+        try:
+            if not torch.compiler.is_compiling() and int(state.micro) == 0:
+                raise ValueError(_NOTHING_ADDED)
+            _, plan, rebuild = _fit(self, None, state)
+        except (ValueError, TypeError) as error:
+            like = (_planner.zeros_of(state.like, _device(self, state)), state)
+            return refuse(error, self.group, like)  # type: ignore[no-any-return]
+        reduced = _reduce_finish(self, plan, state)
         new_state = state._replace(
             hook=reduced.hook_state,
             step=state.step + 1,
@@ -269,7 +257,45 @@ class DeferredSync:
         return rebuild(unpack_reduced(reduced, plan)), new_state
 
 
-def _check_dense(plan: BucketPlan) -> None:
+def _reduce_add(
+    sync: DeferredSync, leaves: list[Any], plan: BucketPlan, state: DeferredState
+) -> list[torch.Tensor]:
+    """``reduce_add`` at the state's step, a collective that fails in it named."""
+    return _comm.naming(
+        lambda: reduce_add(
+            leaves,
+            plan,
+            sync.options,
+            sync.group,
+            step=state.step,
+            state_fingerprint=state.fingerprint,
+        ),
+        sync.group,
+        step=state.step,
+    )
+
+
+def _reduce_finish(sync: DeferredSync, plan: BucketPlan, state: DeferredState) -> Reduced:
+    """``reduce_finish`` of the state's shards at its step, a failed collective named."""
+    return _comm.naming(
+        lambda: reduce_finish(
+            state.shards,
+            state.micro,
+            plan,
+            sync.options,
+            state.hook,
+            sync.group,
+            step=state.step,
+            state_fingerprint=state.fingerprint,
+        ),
+        sync.group,
+        step=state.step,
+    )
+
+
+def _dense_plan(options: SyncOptions, tree: Any) -> BucketPlan:
+    """The plan of a tree DeferredSync can take: dense leaves only."""
+    plan = _planner.plan_tree(tree, options.plan, what="tree").plan
     for spec in plan.specs:
         leaf = plan.leaves[spec.leaves[0]]
         if spec.sparse and leaf is not None:
@@ -277,6 +303,7 @@ def _check_dense(plan: BucketPlan) -> None:
                 f"tree leaf {leaf.path!r} is sparse; DeferredSync reduce-scatters dense "
                 "buckets. Use fsync.accumulate and fsync.GradSync for sparse gradients."
             )
+    return plan
 
 
 def _fit(sync: DeferredSync, grads: Any, state: DeferredState) -> _planner.Planned:
@@ -291,7 +318,10 @@ def _fit(sync: DeferredSync, grads: Any, state: DeferredState) -> _planner.Plann
         state.like,
         sync.options.plan,
         what="grads",
-        default_device=lambda: (
-            state.shards[0].device if state.shards else _comm.default_device(sync.group)
-        ),
+        default_device=lambda: _device(sync, state),
     )
+
+
+def _device(sync: DeferredSync, state: DeferredState) -> torch.device:
+    """Where a state's gradients live: its shards' device, else the group's."""
+    return state.shards[0].device if state.shards else _comm.default_device(sync.group)

@@ -11,18 +11,23 @@ ranks that disagree still meet in it:
   chunks ``c``, each sent as ``(c, c**2)``;
 * the sync's sequence number ``s`` (the state's step count modulo 2**16) as
   ``(s, s**2)``, which catches a rank that skipped a sync;
-* a flag for a state made for another plan, and the number of leaves this rank
-  has no gradient for.
+* a flag for what this rank found alone: a state made for another plan (read
+  from the state's values), or a check that failed on this rank before the
+  agreement (``refuse``: its message is what the ranks exchange), and the number
+  of leaves this rank has no gradient for.
 
 By Cauchy-Schwarz, ``(sum c)**2 == n * sum c**2`` holds exactly when all ``n``
 values are equal, and every rank evaluates the same sums: every rank sees the
 same verdict from ``O(1)`` bytes per rank, at any world size (int64 does not
 overflow below 2**15 ranks). Only on a disagreement do the ranks exchange their
 descriptions to name the first difference, in a ``ValueError`` raised on every
-rank. When some rank has no gradient for a leaf (or with ``find_unused``) a
-second all-reduce counts, per tensor leaf, the ranks that have one: a leaf no
-rank has comes back ``None`` (DDP's semantics); one some ranks lack is averaged
-with zeros from them under ``find_unused``, and is an error without it.
+rank. The fingerprint covers the plan, the options and the metadata of the
+hook's state (``state_words``). When some rank has no gradient for a leaf (or
+with ``find_unused``) a second all-reduce counts, per tensor leaf, the ranks that
+have one: a leaf no rank has comes back ``None`` (DDP's semantics); one some
+ranks lack is averaged with zeros from them under ``find_unused``, and is an
+error without it. A control all-reduce that fails is named (``_comm.named``):
+the sync, the stage and the ranks that did not arrive.
 
 Under ``torch.compile`` the same function runs as an opaque custom op
 (``fsync::agree``), so the check, and its error, happen at run time in the
@@ -40,11 +45,12 @@ import hashlib
 import itertools
 import json
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
+import optree
 import torch
 
-from fsync import _checks, _comm
+from fsync import _checks, _comm, _tree
 from fsync._plan import BucketPlan
 from fsync._planner import PLAN_CACHE_SIZE, python_at_trace_time
 
@@ -59,9 +65,21 @@ _SKIPPED = (
     "so its collectives would pair with another step's. Every rank must call every sync; a "
     "rank without data passes active=False."
 )
+_OTHER_STATE_HERE = (
+    "its state belongs to another plan (its fingerprint differs from the plan of the gradients)"
+)
 _OTHER_STATE = (
     "state belongs to another plan (its fingerprint differs from the plan of the gradients) "
     "on {who}. Pass the state that this sync's init returned, or the previous step's."
+)
+_OTHER_HOOK_STATE = (
+    "the hook's state differs across ranks: {detail}. A state made for another plan or "
+    "another hook (a stale or reloaded one) on some rank? Pass the state this sync's init "
+    "returned for this plan, or the previous step's."
+)
+_REFUSED = (
+    "{who} cannot take part in this sync, so no rank sent its buckets (every rank raises this "
+    "error): {details}"
 )
 _PARTLY_UNUSED = (
     "leaf {path!r} has a gradient on {have} but None on {lack}: a parameter unused on some "
@@ -69,10 +87,12 @@ _PARTLY_UNUSED = (
     "it with zeros from the ranks that did not use it."
 )
 
-# Control vector: [active, (c, c*c) for 4 chunks of h, s, s*s, other_state, nones].
+_T = TypeVar("_T")
+
+# Control vector: [active, (c, c*c) for 4 chunks of h, s, s*s, found, nones].
 _CHUNKS = 4
 _CHUNK_BITS = 16
-_ACTIVE, _H, _SEQ, _STATE, _NONES = 0, 1, 1 + 2 * _CHUNKS, 3 + 2 * _CHUNKS, 4 + 2 * _CHUNKS
+_ACTIVE, _H, _SEQ, _FOUND, _NONES = 0, 1, 1 + 2 * _CHUNKS, 3 + 2 * _CHUNKS, 4 + 2 * _CHUNKS
 CONTROL_SIZE = 5 + 2 * _CHUNKS
 
 
@@ -84,16 +104,40 @@ class Agreed(NamedTuple):
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def _digest(plan_fingerprint: int, hook: str, find_unused: bool, divide_by: str) -> int:
+def _digest(
+    plan_fingerprint: int, hook: str, find_unused: bool, divide_by: str, state: tuple[str, ...]
+) -> int:
     digest = hashlib.blake2b(digest_size=8)
-    digest.update(json.dumps([plan_fingerprint, hook, find_unused, divide_by]).encode())
+    digest.update(json.dumps([plan_fingerprint, hook, find_unused, divide_by, state]).encode())
     return int.from_bytes(digest.digest(), "big")
 
 
 @python_at_trace_time
-def fingerprint(plan_fingerprint: int, hook: str, find_unused: bool, divide_by: str) -> int:
-    """The 64-bit digest ranks compare: the plan's fingerprint and the sync options."""
-    return _digest(plan_fingerprint, hook, find_unused, divide_by)
+def fingerprint(
+    plan_fingerprint: int,
+    hook: str,
+    find_unused: bool,
+    divide_by: str,
+    state: tuple[str, ...] = (),
+) -> int:
+    """The 64-bit digest ranks compare: the plan's fingerprint, the sync options and the
+    metadata of the hook's state (``state_words``)."""
+    return _digest(plan_fingerprint, hook, find_unused, divide_by, state)
+
+
+def state_words(state: Any) -> tuple[str, ...]:
+    """The metadata of a hook's state, as the ranks compare it: each leaf's shape and dtype.
+
+    A hook's state comes from ``init`` on the plan every rank shares, so it has the
+    same structure and shapes on every rank; a state that differs on one rank (made
+    for another plan, or another hook's) is a disagreement, found before any bucket
+    collective, where the hook itself would find it only after, on that rank alone.
+    """
+    leaves = optree.tree_leaves(state, none_is_leaf=True, namespace=_tree.NAMESPACE)
+    return tuple(
+        f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        for x in leaves
+    )
 
 
 def _chunks(value: int) -> list[int]:
@@ -155,8 +199,8 @@ def _all_equal(total: int, squares: int, n: int) -> bool:
 
 def _verdict(summed: list[int], world_size: int) -> str | None:
     """Which kind of disagreement the summed control vector shows, if any."""
-    if summed[_STATE]:
-        return "state"
+    if summed[_FOUND]:
+        return "found"
     if not _all_equal(summed[_SEQ], summed[_SEQ + 1], world_size):
         return "seq"
     for k in range(_CHUNKS):
@@ -177,11 +221,34 @@ def conclude(
     group: _comm.Group,
     description: str,
     find_unused: bool,
+    *,
+    start: int = -1,
+    step: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed control vector and per-leaf use counts of an issued agreement.
 
-    Raises the same ``ValueError`` on every rank when they disagree.
+    Raises the same ``ValueError`` on every rank when they disagree. A control
+    all-reduce that fails (a rank died, hangs or stopped calling the sync) is
+    named (``_comm.named``): the sync, begun at c10d collective ``start`` of
+    the group, its ``step``, and the ranks that did not arrive.
     """
+    try:
+        return _concluded(pending, control, used, group, description, find_unused)
+    except _comm.CollectiveError as failure:
+        raise _comm.named(failure, group, start, stage=AGREEMENT, step=step) from failure
+
+
+AGREEMENT = "the ranks' agreement (the sync's first collective)"
+
+
+def _concluded(
+    pending: torch.Tensor,
+    control: torch.Tensor,
+    used: torch.Tensor,
+    group: _comm.Group,
+    description: str,
+    find_unused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     summed = _comm.wait(pending)
     values = summed.tolist()
     world_size = _comm.size(group)
@@ -204,21 +271,105 @@ def agree(
     find_unused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The agreement in one call (eager): ``issue``, then ``conclude``."""
-    return conclude(issue(control, group), control, used, group, description, find_unused)
+    start = _comm.sequence_number(group)
+    pending = issue(control, group)
+    return conclude(pending, control, used, group, description, find_unused, start=start)
 
 
 def _raise(problem: str, control: torch.Tensor, description: str, group: _comm.Group) -> None:
     mine = (control.tolist(), description)
     everyone = _comm.all_gather_object(mine, group, control.device)
-    if problem == "state":
-        who = [r for r, (c, _) in enumerate(everyone) if c[_STATE]]
-        raise ValueError(_OTHER_STATE.format(who=_ranks(who)))
+    if problem == "found":
+        raise _found(everyone)
     if problem == "seq":
         steps = [c[_SEQ] for c, _ in everyone]
         where = ", ".join(f"rank {r} at sync {s}" for r, s in enumerate(steps))
         raise ValueError(_SKIPPED.format(who=where))
     descriptions = [json.loads(d) for _, d in everyone]
     raise ValueError(f"{first_difference(descriptions)} {_FIX}")
+
+
+def _found(everyone: list[tuple[list[int], str]]) -> Exception:
+    """Every rank's error for what some ranks found alone (``refuse``, or a stale state).
+
+    The error's type is the finders' own when they agree on it (a ``TypeError``
+    for a wrong leaf type, say), else ``ValueError``; a finder that is no check
+    of fsync's (``fn`` raised) makes it a ``RuntimeError``.
+    """
+    finders = [(r, _finding(d)) for r, (c, d) in enumerate(everyone) if c[_FOUND]]
+    if all(found is None for _, found in finders):  # states made for another plan
+        return ValueError(_OTHER_STATE.format(who=_comm.ranks_in_words([r for r, _ in finders])))
+    kinds = {"ValueError" if found is None else found[0] for _, found in finders}
+    details = "; ".join(
+        f"rank {r}: {_OTHER_STATE_HERE if found is None else found[1]}" for r, found in finders
+    )
+    message = _REFUSED.format(who=_comm.ranks_in_words([r for r, _ in finders]), details=details)
+    kind = kinds.pop() if len(kinds) == 1 else "ValueError"
+    return {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(message)
+
+
+def _finding(description: str) -> tuple[str, str] | None:
+    """``(kind, message)`` of a rank that refused (see ``refuse``), else ``None``."""
+    found = json.loads(description).get("found")
+    return None if found is None else (found[0], found[1])
+
+
+def refuse(error: Exception, group: _comm.Group, like: Any = None) -> Any:
+    """What this rank found alone, before the agreement, becomes every rank's error.
+
+    A check that fails on one rank only (a gradient that does not fit the
+    state's plan, a state of another kind, a shape made symbolic while tracing)
+    must not raise there before the agreement: the other ranks would wait for
+    this rank's collectives until the group's timeout. Instead this rank joins
+    the sync's agreement with a vote that says it found something, and every
+    rank raises the same error, naming this rank and what it found (``_found``),
+    before any bucket collective, so the group works afterwards.
+
+    Eagerly this raises. Under ``torch.compile`` it traces the agreement (the op
+    raises at run time, on every rank) and returns ``like``, what the caller
+    returns as far as it can tell, each tensor made to wait for the op, so that
+    the rest of the step still traces and nothing of it runs first. With one
+    rank eagerly, ``error`` itself is raised.
+    """
+    compiling = torch.compiler.is_compiling()
+    if _comm.size(group) == 1 and not compiling:
+        raise error
+    device = _comm.default_device(group)
+    control = _int64_vector([int(k == _FOUND) for k in range(CONTROL_SIZE)], device)
+    used = torch.zeros(0, dtype=torch.int64, device=device)
+    description = _refusal(type(error).__name__, str(error))
+    if not compiling:
+        agree(control, used, group, description, False)
+        raise AssertionError("unreachable: the agreement raises for a rank that refuses")
+    context = _op_context(_comm.group_name(group), description, False)
+    summed, _ = torch.ops.fsync.agree(control, used, context)
+    token = summed[_ACTIVE] >= 0
+    return optree.tree_map(
+        lambda x: x * token if isinstance(x, torch.Tensor) and not x.is_meta else x,
+        like,
+        none_is_leaf=True,
+        namespace=_tree.NAMESPACE,
+    )
+
+
+def planned(make: Callable[[], _T], group: _comm.Group) -> _T:
+    """``make()`` (an entry point's planning), its checks' errors every rank's (``refuse``).
+
+    For entry points that take a tree once, eagerly (``init``, ``fsync.verify``):
+    a check that fails on one rank only does not leave the others waiting in the
+    ``verify_plan`` that follows.
+    """
+    try:
+        return make()
+    except (ValueError, TypeError) as error:
+        refuse(error, group)
+        raise
+
+
+@python_at_trace_time
+def _refusal(kind: str, message: str) -> str:
+    """A refusing rank's description: what it found, in place of its plan."""
+    return json.dumps({"found": [kind, message]})
 
 
 def verify_plan(plan: BucketPlan, group: _comm.Group, what: str = "grads") -> None:
@@ -244,14 +395,6 @@ def verify_plan(plan: BucketPlan, group: _comm.Group, what: str = "grads") -> No
     agree(control, torch.zeros(0, dtype=torch.int64, device=device), group, description, False)
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    return (
-        "rank " + ", ".join(map(str, ranks))
-        if len(ranks) == 1
-        else "ranks " + ", ".join(map(str, ranks))
-    )
-
-
 def _check_fully_used(
     counts: torch.Tensor, used: torch.Tensor, active: int, description: str, group: _comm.Group
 ) -> None:
@@ -261,8 +404,8 @@ def _check_fully_used(
     position = int(partial[0])
     has = _comm.all_gather_object(bool(used[position]), group, used.device)
     paths = [path for path, leaf in json.loads(description)["plan"]["leaves"] if leaf != "None"]
-    have = _ranks([r for r, h in enumerate(has) if h])
-    lack = _ranks([r for r, h in enumerate(has) if not h])
+    have = _comm.ranks_in_words([r for r, h in enumerate(has) if h])
+    lack = _comm.ranks_in_words([r for r, h in enumerate(has) if not h])
     raise ValueError(_PARTLY_UNUSED.format(path=paths[position], have=have, lack=lack))
 
 
@@ -271,8 +414,10 @@ def first_difference(descriptions: list[dict[str, Any]]) -> str:
     ref = descriptions[0]
     what = ref["what"]
     for rank, other in enumerate(descriptions[1:], start=1):
-        for key in ("hook", "find_unused", "divide_by"):
+        for key in ("hook", "state", "find_unused", "divide_by"):
             mine, theirs = ref["options"][key], other["options"][key]
+            if key == "state" and mine != theirs:
+                return _state_difference(mine, theirs, rank)
             if mine != theirs:
                 if key != "hook":  # a hook's spec reads as code already
                     mine, theirs = repr(mine), repr(theirs)
@@ -284,6 +429,16 @@ def first_difference(descriptions: list[dict[str, Any]]) -> str:
         if words is not None:
             return f"{what} differ across ranks: {words}"
     return f"{what} differ across ranks in a way their descriptions do not show."
+
+
+def _state_difference(mine: list[str], theirs: list[str], rank: int) -> str:
+    for leaf, (a, b) in enumerate(zip(mine, theirs, strict=False)):
+        if a != b:
+            return _OTHER_HOOK_STATE.format(
+                detail=f"its leaf {leaf} is {a} on rank 0 but {b} on rank {rank}"
+            )
+    detail = f"it has {len(mine)} leaves on rank 0 but {len(theirs)} on rank {rank}"
+    return _OTHER_HOOK_STATE.format(detail=detail)
 
 
 def _plan_difference(ref: dict[str, Any], other: dict[str, Any], rank: int) -> str | None:
@@ -320,17 +475,29 @@ def _plan_difference(ref: dict[str, Any], other: dict[str, Any], rank: int) -> s
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def _described(
-    plan_description: str, hook: str, find_unused: bool, divide_by: str, what: str
+    plan_description: str,
+    hook: str,
+    find_unused: bool,
+    divide_by: str,
+    what: str,
+    state: tuple[str, ...],
 ) -> str:
-    options = {"hook": hook, "find_unused": find_unused, "divide_by": divide_by}
+    options = {"hook": hook, "state": state, "find_unused": find_unused, "divide_by": divide_by}
     plan = json.loads(plan_description)
     return json.dumps({"plan": plan, "options": options, "what": what})
 
 
 @python_at_trace_time
-def describe(plan_description: str, hook: str, find_unused: bool, divide_by: str, what: str) -> str:
+def describe(
+    plan_description: str,
+    hook: str,
+    find_unused: bool,
+    divide_by: str,
+    what: str,
+    state: tuple[str, ...] = (),
+) -> str:
     """This rank's plan and options in words (JSON), exchanged only on a disagreement."""
-    return _described(plan_description, hook, find_unused, divide_by, what)
+    return _described(plan_description, hook, find_unused, divide_by, what, state)
 
 
 @python_at_trace_time
@@ -363,10 +530,17 @@ class Agreement:
     """
 
     def __init__(
-        self, check: _Check | None, plan: BucketPlan, has: list[bool], active: bool
+        self,
+        check: _Check | None,
+        plan: BucketPlan,
+        has: list[bool],
+        active: bool,
+        step: torch.Tensor | None = None,
     ) -> None:
         self._check, self._plan, self._has, self._active = check, plan, has, active
+        self._step = step
         # With one rank nothing is sent: there is no one to disagree with.
+        self._start = -1 if check is None else _comm.sequence_number(check.group)
         self._pending = None if check is None else issue(check.control, check.group)
 
     def conclude(self) -> Agreed:
@@ -381,6 +555,8 @@ class Agreement:
             check.group,
             check.description,
             check.find_unused,
+            start=self._start,
+            step=self._step,
         )
         return check.agreed(self._plan, summed, counts, self._has)
 
@@ -408,85 +584,71 @@ class _Check(NamedTuple):
         return Agreed(divisor, present)
 
 
-def _check_of(
-    plan: BucketPlan,
-    has: list[bool],
-    group: _comm.Group,
-    *,
-    hook: str,
-    find_unused: bool,
-    divide_by: str,
-    active: bool,
-    step: torch.Tensor | None,
-    state_fingerprint: torch.Tensor | None,
-) -> _Check:
+class Terms(NamedTuple):
+    """What the ranks compare at one sync, besides the plan.
+
+    Attributes:
+        hook: The hook's spec, with where and at which stage it runs.
+        find_unused: The option of that name.
+        divide_by: The option of that name.
+        active: Whether this rank contributes this step.
+        step: The sync's sequence number (a state's step count), if it has one.
+        state_fingerprint: The fingerprint of the plan a state was made for, if any.
+        state: The metadata of the hook's state (``state_words``).
+    """
+
+    hook: str
+    find_unused: bool = False
+    divide_by: str = "world"
+    active: bool = True
+    step: torch.Tensor | None = None
+    state_fingerprint: torch.Tensor | None = None
+    state: tuple[str, ...] = ()
+
+
+def _check_of(plan: BucketPlan, has: list[bool], group: _comm.Group, terms: Terms) -> _Check:
     device = plan.specs[0].device if plan.specs else _comm.default_device(group)
-    h = fingerprint(plan.fingerprint, hook, find_unused, divide_by)
+    options = (terms.hook, terms.find_unused, terms.divide_by)
     control = control_vector(
-        h,
-        active=active,
-        nones=sum(1 for x in has if not x) if active else 0,
-        step=step,
-        state_fingerprint=state_fingerprint,
+        fingerprint(plan.fingerprint, *options, terms.state),
+        active=terms.active,
+        nones=sum(1 for x in has if not x) if terms.active else 0,
+        step=terms.step,
+        state_fingerprint=terms.state_fingerprint,
         plan_fingerprint=plan.fingerprint,
         device=device,
     )
     used = _int64_vector([int(x) for x in has], device)
-    description = describe(plan.description, hook, find_unused, divide_by, "grads")
-    return _Check(control, used, description, group, find_unused, divide_by, active)
+    description = describe(plan.description, *options, "grads", terms.state)
+    return _Check(
+        control, used, description, group, terms.find_unused, terms.divide_by, terms.active
+    )
 
 
-def begin(
-    plan: BucketPlan,
-    has: Sequence[bool],
-    group: _comm.Group,
-    *,
-    hook: str,
-    find_unused: bool,
-    divide_by: str,
-    active: bool,
-    step: torch.Tensor | None = None,
-    state_fingerprint: torch.Tensor | None = None,
-) -> Agreement:
+def begin(plan: BucketPlan, has: Sequence[bool], group: _comm.Group, terms: Terms) -> Agreement:
     """Issues one sync's agreement (eager only); ``Agreement.conclude`` finishes it.
 
     ``has`` tells, per tensor leaf of the plan (in flatten order), whether this
-    rank has its gradient. The ranks compare the plan, the options (``hook`` is
-    the hook's spec with where and at which stage it runs), the sync's sequence
-    number ``step`` and that ``state_fingerprint`` (the fingerprint of the plan
-    a state was made for) is the plan's. With one rank nothing is sent, but a
-    state for another plan is still refused.
+    rank has its gradient. The ranks compare the plan and the ``terms``: the
+    options, the sync's sequence number, that the state was made for this plan,
+    the hook state's metadata. With one rank nothing is sent, but a state for
+    another plan is still refused.
     """
-    has = [active and x for x in has]
+    has = [terms.active and x for x in has]
     if _comm.size(group) == 1:
-        if state_fingerprint is not None and int(state_fingerprint) != plan.fingerprint:
+        fingerprint_ = terms.state_fingerprint
+        if fingerprint_ is not None and int(fingerprint_) != plan.fingerprint:
             raise ValueError(_OTHER_STATE.format(who="rank 0"))
-        return Agreement(None, plan, has, active)
-    check = _check_of(
-        plan,
-        has,
-        group,
-        hook=hook,
-        find_unused=find_unused,
-        divide_by=divide_by,
-        active=active,
-        step=step,
-        state_fingerprint=state_fingerprint,
-    )
-    return Agreement(check, plan, has, active)
+        return Agreement(None, plan, has, terms.active)
+    return Agreement(_check_of(plan, has, group, terms), plan, has, terms.active, terms.step)
 
 
 def agree_on(
     plan: BucketPlan,
     leaves: Sequence[Any],
     group: _comm.Group,
+    terms: Terms,
     *,
-    hook: str,
-    find_unused: bool,
-    divide_by: str,
-    active: bool,
-    step: torch.Tensor | None = None,
-    state_fingerprint: torch.Tensor | None = None,
     pack: Callable[[torch.Tensor | None], list[torch.Tensor]],
 ) -> tuple[Agreed, list[torch.Tensor]]:
     """The per-step agreement of one sync, and the sync's buckets packed by ``pack``.
@@ -501,36 +663,16 @@ def agree_on(
     """
     has = [leaves[i] is not None for i, spec in enumerate(plan.leaves) if spec is not None]
     if not torch.compiler.is_compiling():
-        agreement = begin(
-            plan,
-            has,
-            group,
-            hook=hook,
-            find_unused=find_unused,
-            divide_by=divide_by,
-            active=active,
-            step=step,
-            state_fingerprint=state_fingerprint,
-        )
+        agreement = begin(plan, has, group, terms)
         buckets = pack(None)
         return agreement.conclude(), buckets
-    has = [active and x for x in has]
+    has = [terms.active and x for x in has]
     if _comm.size(group) == 1:
-        return Agreed(1, _alone(plan, has, active)), pack(None)
-    if find_unused:
+        return Agreed(1, _alone(plan, has, terms.active)), pack(None)
+    if terms.find_unused:
         raise ValueError(_checks.FIND_UNUSED_UNDER_COMPILE)
-    check = _check_of(
-        plan,
-        has,
-        group,
-        hook=hook,
-        find_unused=find_unused,
-        divide_by=divide_by,
-        active=active,
-        step=step,
-        state_fingerprint=state_fingerprint,
-    )
-    context = _op_context(_comm.group_name(group), check.description, find_unused)
+    check = _check_of(plan, has, group, terms)
+    context = _op_context(_comm.group_name(group), check.description, terms.find_unused)
     summed, counts = torch.ops.fsync.agree(check.control, check.used, context)
     return check.agreed(plan, summed, counts, has), pack(summed[_ACTIVE] >= 0)
 

@@ -48,7 +48,7 @@ import optree
 import torch
 
 from fsync import _checks, _comm, _tree
-from fsync._agree import Agreed, Agreement, begin
+from fsync._agree import Agreed, Agreement, begin, refuse
 from fsync._hook import Hook, SyncContext, hook_spec
 from fsync._options import SyncOptions
 from fsync._plan import BucketPlan, LeafLayout
@@ -56,7 +56,6 @@ from fsync._planner import PLAN_CACHE_SIZE
 from fsync._reduce import (
     DEFAULT_HOOK,
     Reduced,
-    agreed_spec,
     alone,
     context,
     finish_bucket,
@@ -64,6 +63,7 @@ from fsync._reduce import (
     reduce_started,
     start_bucket,
     start_within,
+    terms,
 )
 from fsync.ops._allreduce import allreduce
 
@@ -426,6 +426,19 @@ class TorchFunc(NamedTuple):
         return grads, output
 
 
+def _tell(error: Exception, group: _comm.Group) -> None:
+    """``fn`` raised on this rank before the agreement: the others raise, naming it.
+
+    This rank raises ``error`` itself, with its traceback; the others get a
+    ``RuntimeError`` (or ``fn``'s ``ValueError`` / ``TypeError``) saying which
+    rank's ``fn`` raised what, instead of waiting for the group's timeout.
+    """
+    kind = type(error) if isinstance(error, ValueError | TypeError) else RuntimeError
+    told: Exception = kind(f"fn raised {type(error).__name__}: {error}")
+    with contextlib.suppress(Exception):  # the agreement raises here too; error is the one
+        refuse(told, group)
+
+
 class Backward(NamedTuple):
     """What one eager gradient call returns: synced gradients (as leaves) and ``fn``'s output."""
 
@@ -451,25 +464,27 @@ def synced_backward(
     ``fn(differentiable_leaves)`` is the forward pass; ``leaves`` fit ``plan``
     (its tensor leaves, in flatten order).
     """
-    _checks.check_differentiable(plan)
+    try:
+        _checks.check_differentiable(plan)
+    except TypeError as error:
+        refuse(error, group)
     hook = hook_of(options)
     inputs = [None if x is None else x.detach().requires_grad_() for x in leaves]
-    with torch.enable_grad():
-        output = fn(inputs)
-    value = value_of(output)
+    try:
+        with torch.enable_grad():
+            output = fn(inputs)
+    except Exception as error:
+        _tell(error, group)
+        raise
+    try:
+        value = value_of(output)
+    except ValueError as error:
+        refuse(error, group)
     tensors = [x for x in inputs if x is not None]
     has = reachable(value, tensors) if options.find_unused else [True] * len(tensors)
-    agreement = begin(
-        plan,
-        has,
-        group,
-        hook=agreed_spec(hook, group),
-        find_unused=options.find_unused,
-        divide_by=options.divide_by,
-        active=True,
-        step=step,
-        state_fingerprint=state_fingerprint,
-    )
+    terms_ = terms(options, group, hook_state, step=step, state_fingerprint=state_fingerprint)
+    start = _comm.sequence_number(group)
+    agreement = begin(plan, has, group, terms_)
     scale = _fused_mean(hook, options, plan, group)
     reducer = Reducer(plan, hook if scale is None else _SUM, hook_state, group, agreement)
     buckets = Buckets(plan, reducer.start, scale)
@@ -486,6 +501,9 @@ def synced_backward(
         buckets.stop()
         buckets.join(quiet=True)  # backward's own error is the one to report
         raise
-    buckets.close()
-    buckets.join()
-    return Backward(reducer.finish(), output)
+    try:
+        buckets.close()
+        buckets.join()
+        return Backward(reducer.finish(), output)
+    except _comm.CollectiveError as failure:
+        raise _comm.named(failure, group, start, step=step) from failure

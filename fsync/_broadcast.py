@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 
 from fsync import _checks, _comm, _pack, _tree
-from fsync._agree import verify_plan
+from fsync._agree import planned, verify_plan
 from fsync._plan import BucketPlan
 from fsync._planner import VALUE_BUCKET_MB, value_plan
 from fsync._sync import sync_grads
@@ -64,7 +64,7 @@ def broadcast(tree: Any, /, *, src: int = 0, group: _comm.Group = None) -> Any:
     """
     _comm.check_group(group)
     _check_src(src, group)
-    leaves, plan, rebuild = value_plan(tree, "broadcast")
+    leaves, plan, rebuild = planned(lambda: value_plan(tree, "broadcast"), group)
     if not torch.compiler.is_compiling():
         verify_plan(plan, group, what="trees passed to fsync.broadcast")
     return rebuild(broadcast_leaves(leaves, plan, src, group))
@@ -111,7 +111,7 @@ def sync_buffers(
         return broadcast(buffers, src=src, group=group)
     _comm.check_group(group)
     _check_src(src, group)
-    leaves, plan, rebuild = value_plan(buffers, "sync_buffers")
+    leaves, plan, rebuild = planned(lambda: value_plan(buffers, "sync_buffers"), group)
     if not torch.compiler.is_compiling():
         verify_plan(plan, group, what="trees passed to fsync.sync_buffers")
     floating = [leaf is not None and leaf.dtype.is_floating_point for leaf in leaves]

@@ -60,12 +60,6 @@ STATEFUL_HOOK = (
     "this hook keeps state (its init returned tensors), which sync_grads would throw away "
     "after every call. Use fsync.GradSync(hook=...) and thread its state."
 )
-DYNAMIC_SHAPE = (
-    "leaf {index} of the tree reached torch.compile with a dynamic shape: its shape changed "
-    "between calls and dynamo made it symbolic, but buckets are planned from static shapes "
-    "(every rank must send the same bytes). Compile with dynamic=False (fsync.compile does), "
-    "or keep the gradients' shapes fixed from one step to the next."
-)
 NO_GRADS = (
     "grads is None on an active rank; expected a gradient tree. A rank without data this "
     "step passes active=False (it then contributes zeros and receives the others' mean)."
@@ -206,6 +200,13 @@ def check_gradient(spec: LeafSpec, meta: TensorMeta) -> None:
         raise TypeError(NOT_FLOATING.format(path=spec.path, dtype=meta.dtype))
     if meta.requires_grad:
         raise ValueError(REQUIRES_GRAD.format(path=spec.path))
+
+
+def given(grads: Any) -> Any:
+    """``grads``, unless it is ``None`` (a rank without data passes ``active=False``)."""
+    if grads is None:
+        raise ValueError(NO_GRADS)
+    return grads
 
 
 def check_differentiable(plan: BucketPlan) -> None:

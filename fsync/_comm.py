@@ -16,17 +16,24 @@ releases. May import: torch only (layer 1, the bottom of fsync).
 from __future__ import annotations
 
 import functools
+import json
 import pickle
+import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import _resolve_process_group  # type: ignore[attr-defined]
+from torch.distributed.distributed_c10d import (  # type: ignore[attr-defined]
+    _get_process_group_store,
+    _resolve_process_group,
+)
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+_T = TypeVar("_T")
 
 # torch >= 2.13 deprecates all_gather_tensor/reduce_scatter_tensor in favour of the
 # *_single names; older releases only have the former.
@@ -386,15 +393,16 @@ def _(tensors: list[torch.Tensor], sources: list[int], group: str) -> list[torch
     return [torch.empty_like(t) for t in tensors]
 
 
-def wait(x: torch.Tensor) -> torch.Tensor:
+def wait(x: torch.Tensor, stage: str | Callable[[], str] = "") -> torch.Tensor:
     """Waits for a collective's result and returns it as a plain tensor.
 
     A collective that fails (a peer died, timed out, or called something else)
-    raises the backend's own exception type with a message saying what to check.
+    raises ``CollectiveError`` saying what to check, with ``stage`` (which part of
+    the sync waited; a function is called only then), for ``named`` to complete.
     """
     if not isinstance(x, funcol.AsyncCollectiveTensor):
         return x
-    waited: torch.Tensor = _wait_work(x)
+    waited: torch.Tensor = _wait_work(x, stage)
     return waited
 
 
@@ -415,19 +423,161 @@ def _broadcast_in_place(
         _wait_work(work)
 
 
-def _wait_work(work: Any) -> Any:
+def _wait_work(work: Any, stage: str | Callable[[], str] = "") -> Any:
     """``work.wait()`` (a c10d ``Work`` or a functional collective's result), in fsync's words."""
     try:
         return work.wait()
     except RuntimeError as error:
-        raise type(error)(f"{COLLECTIVE_FAILED} Backend error: {error}") from error
+        if isinstance(error, CollectiveError):
+            raise
+        where = stage() if callable(stage) else stage
+        raise CollectiveError(COLLECTIVE_FAILED, stage=where, backend=str(error)) from error
 
 
-COLLECTIVE_FAILED = (
-    "an fsync collective failed. A rank may have died, stopped calling the sync (uneven "
-    "data: pass active=False on ranks that ran out), or called a different collective; a "
-    "hung peer is reported after the process group's timeout (init_process_group(timeout=...))."
+_CAUSES = (
+    "A rank may have died, stopped calling the sync (uneven data: pass active=False on ranks "
+    "that ran out), or called a different collective; a hung peer is reported after the "
+    "process group's timeout (init_process_group(timeout=...))."
 )
+COLLECTIVE_FAILED = f"an fsync collective failed. {_CAUSES}"
+
+# How long a rank that saw a collective fail waits for the other ranks' reports in the
+# group's store: they see the failure within about a step of each other (a dead peer at
+# once, a hung one after each rank's own timeout, counted from its own wait).
+REPORT_PATIENCE_S = 5.0
+
+
+class CollectiveError(RuntimeError):
+    """A collective of fsync's failed or timed out; ``named`` says where and who was missing.
+
+    Attributes:
+        stage: Which part of the sync waited (``"the ranks' agreement"``, ``"bucket 3 of
+            8"`` ...), ``""`` where the wait did not say.
+        backend: The backend's own message.
+        reports: Once named, each reporting rank's record (``None``: the store was out of
+            reach), else ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage: str = "",
+        backend: str = "",
+        reports: dict[int, dict[str, Any]] | None = None,
+    ) -> None:
+        super().__init__(f"{message} Backend error: {backend}" if backend else message)
+        self.stage, self.backend, self.reports = stage, backend, reports
+
+
+def sequence_number(group: Group) -> int:
+    """How many collectives this rank has issued on ``group`` (c10d's count); -1 if unknown."""
+    if isinstance(group, Recorder) or size(group) == 1:
+        return -1
+    try:
+        pg: Any = process_group(group)
+        return int(pg._get_sequence_number_for_group())
+    except (AttributeError, RuntimeError):
+        return -1
+
+
+def named(
+    failure: CollectiveError, group: Group, start: int, *, stage: str = "", step: Any = None
+) -> CollectiveError:
+    """``failure`` with the sync it broke, its stage, and which ranks did not arrive.
+
+    This rank records its stage in the group's c10d store (torchrun's, or the one
+    ``init_process_group`` made) under the sync's key, ``start`` (this group's c10d
+    sequence number when the sync began, the same on ranks that keep step), and
+    reads the other ranks' records for up to ``REPORT_PATIENCE_S`` seconds: a rank
+    that wrote one saw the failure too; one that did not is missing (dead, hung,
+    or not calling this sync). Nothing is written on syncs that succeed. Named
+    once: the innermost caller that knows the stage names it.
+    """
+    if failure.reports is not None:
+        return failure
+    stage = failure.stage or stage or "a collective"
+    steps = None if step is None else int(step)
+    record = {"stage": stage, "step": steps}
+    reports = _reports(group, start, record)
+    sync = (
+        f"step {steps} of its state"
+        if steps is not None
+        else f"the sync begun at c10d collective #{start} of its group"
+    )
+    message = f"an fsync collective failed at {stage}, in {sync}: {_who(reports, group)} {_CAUSES}"
+    cause = failure.backend or str(failure)
+    return CollectiveError(message, stage=stage, backend=cause, reports=reports or {})
+
+
+def naming(call: Callable[[], _T], group: Group, *, step: Any = None) -> _T:
+    """``call()`` (an entry point's sync), a collective that fails in it ``named``.
+
+    Eager only: under ``torch.compile`` the call is traced, and the agreement, a
+    custom op, names its own failures at run time.
+    """
+    if torch.compiler.is_compiling():
+        return call()
+    start = sequence_number(group)
+    try:
+        return call()
+    except CollectiveError as failure:
+        raise named(failure, group, start, step=step) from failure
+
+
+def _who(reports: dict[int, dict[str, Any]] | None, group: Group) -> str:
+    """Words for which ranks reported the failure (and where), and which did not."""
+    if reports is None:
+        return (
+            "the group's store could not be reached to learn which ranks did not arrive (the "
+            "process that hosts it may be the one that died)."
+        )
+    stage = reports[rank(group)]["stage"]
+    alike = [r for r in sorted(reports) if reports[r]["stage"] == stage]
+    seen = f"{ranks_in_words(alike)} saw the failure there"
+    elsewhere = [r for r in sorted(reports) if r not in alike]
+    if elsewhere:
+        seen += ", " + ", ".join(f"rank {r} at {reports[r]['stage']}" for r in elsewhere)
+    missing = [r for r in range(size(group)) if r not in reports]
+    if not missing:
+        return (
+            f"every rank arrived ({seen}): they issued different collectives, or the link failed."
+        )
+    return (
+        f"{ranks_in_words(missing)} did not arrive (dead, hung, or not calling this sync: nothing "
+        f"reported within {REPORT_PATIENCE_S:g} s); {seen}."
+    )
+
+
+def ranks_in_words(ranks: Sequence[int]) -> str:
+    """``"rank 1"``, ``"ranks 0, 2"``."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _reports(group: Group, start: int, record: dict[str, Any]) -> dict[int, dict[str, Any]] | None:
+    """Every rank's record of this failure found in the group's store, this rank's first."""
+    try:
+        store = _store(group)
+        prefix = f"fsync/failed/{_group_name(group)}/{start}/"
+        me, n = rank(group), size(group)
+        store.set(prefix + str(me), json.dumps(record))
+        reports = {me: record}
+        deadline = time.monotonic() + REPORT_PATIENCE_S
+        while len(reports) < n:
+            for r in range(n):
+                if r not in reports and store.check([prefix + str(r)]):
+                    reports[r] = json.loads(store.get(prefix + str(r)))
+            if len(reports) == n or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return reports
+    except Exception:  # no store, or its host is gone: say so rather than fail again
+        return None
+
+
+def _store(group: Group) -> Any:
+    """The c10d store of ``group``'s process group."""
+    return _get_process_group_store(process_group(group))
 
 
 def all_gather_object(obj: Any, group: Group, device: torch.device) -> list[Any]:

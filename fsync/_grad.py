@@ -24,6 +24,7 @@ import torch
 from typing_extensions import Unpack
 
 from fsync import _checks, _comm, _planner, _tree
+from fsync._agree import refuse
 from fsync._backward import TorchFunc, synced_backward
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._planner import Planned
@@ -101,11 +102,14 @@ def grad_and_value(
             grads, output = settings.compiled(args, kwargs)
             return sync_tree(grads, sync_options, group), output
         _comm.check_group(group)
-        tree = settings.differentiated(args)
-        leaves, plan, rebuild = _planner.plan_tree(tree, sync_options.plan, what="argument")
-        state = init_hook(sync_options, plan, group)
-        if optree.tree_leaves(state, namespace=_tree.NAMESPACE):
-            raise ValueError(_checks.STATEFUL_HOOK)
+        try:
+            tree = settings.differentiated(args)
+            leaves, plan, rebuild = _planner.plan_tree(tree, sync_options.plan, what="argument")
+            state = init_hook(sync_options, plan, group)
+            if optree.tree_leaves(state, namespace=_tree.NAMESPACE):
+                raise ValueError(_checks.STATEFUL_HOOK)
+        except (ValueError, TypeError) as error:
+            refuse(error, group)  # every rank raises it
         done = synced_backward(
             settings.forward(args, kwargs, rebuild),
             settings.value,
@@ -192,7 +196,10 @@ def stateful(
             grads, state = sync(grads, state)
             result = (grads, output)
         else:
-            leaves, plan, rebuild = fit(settings.differentiated(args), state)
+            try:
+                leaves, plan, rebuild = fit(settings.differentiated(args), state)
+            except (ValueError, TypeError) as error:
+                refuse(error, sync.group)  # every rank raises it
             done = synced_backward(
                 settings.forward(args, kwargs, rebuild),
                 settings.value,

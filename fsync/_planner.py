@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
 
@@ -85,14 +86,42 @@ class Planned(NamedTuple):
     rebuild: Callable[[Sequence[Any]], Any]
 
 
+class Found(NamedTuple):
+    """A check's error, handed back as a value by a function dynamo calls as Python."""
+
+    kind: str
+    """``"ValueError"`` or ``"TypeError"``."""
+    message: str
+
+
 def python_at_trace_time(fn: _F) -> _F:
     """Marks ``fn`` for dynamo to call as Python, its result a constant of the graph.
 
     ``torch.compiler.assume_constant_result``, typed; eagerly a plain call. The
-    arguments must be constants (metadata, keys, options, plans).
+    arguments must be constants (metadata, keys, options, plans). A ``ValueError``
+    or ``TypeError`` that ``fn`` raises (a check that failed) is handed out of it
+    as a value and raised again by the caller: inside the constant function
+    dynamo would wrap it in an error of its own, while raised by traced code it
+    is fsync's error, which an entry point can catch and turn into every rank's
+    (``_agree.refuse``).
     """
-    mark = cast(Callable[[_F], _F], torch.compiler.assume_constant_result)
-    return mark(fn)
+
+    def checked(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (ValueError, TypeError) as error:
+            return Found(type(error).__name__, str(error))
+
+    constant = cast(Callable[..., Any], torch.compiler.assume_constant_result)(checked)
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        result = constant(*args)
+        if isinstance(result, Found):
+            raise (TypeError if result.kind == "TypeError" else ValueError)(result.message)
+        return result
+
+    return cast(_F, call)
 
 
 # --- flattening ------------------------------------------------------------------------------
@@ -126,21 +155,30 @@ def _flatten(tree: Any, what: str) -> tuple[list[Any], Structure, Callable[[Sequ
 
 
 def _metas(leaves: Sequence[Any]) -> tuple[_Meta | None, ...]:
-    metas = tuple(None if t is None else _meta(t) for t in leaves)
-    if torch.compiler.is_compiling():
-        for i, meta in enumerate(metas):
-            if meta is not None and any(isinstance(d, torch.SymInt) for d in meta[0]):
-                raise ValueError(_checks.DYNAMIC_SHAPE.format(index=i))
-    return metas
+    return tuple(None if t is None else _meta(t) for t in leaves)
 
 
 def _meta(t: torch.Tensor | SparseLike) -> _Meta:
     if isinstance(t, SparseLike):
         return (t.shape, (), t.dtype, t.device, torch.sparse_coo, t.sparse_dim, False)
     if t.layout == torch.strided:
-        return (t.shape, t.stride(), t.dtype, t.device, torch.strided, 0, t.requires_grad)
+        shape, stride = _static(t.shape), _static(t.stride())
+        return (shape, stride, t.dtype, t.device, torch.strided, 0, t.requires_grad)
     sparse_dim = t.sparse_dim() if t.layout == torch.sparse_coo else 0
-    return (t.shape, (), t.dtype, t.device, t.layout, sparse_dim, t.requires_grad)
+    return (_static(t.shape), (), t.dtype, t.device, t.layout, sparse_dim, t.requires_grad)
+
+
+def _static(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Sizes as Python ints: a plan needs static shapes (every rank must send the same bytes).
+
+    Under ``torch.compile`` a size that changed between calls reaches dynamo
+    symbolic (automatic dynamic shapes); ``operator.index`` specializes it, with a
+    guard, so that each shape compiles with a plan of its own (as ``dynamic=False``
+    compiles), which the ranks then compare. Eagerly the sizes are ints already.
+    """
+    if not torch.compiler.is_compiling():
+        return tuple(sizes)
+    return tuple(operator.index(d) for d in sizes)
 
 
 def _as_meta(meta: _Meta, device: torch.device | None) -> TensorMeta:
@@ -463,6 +501,17 @@ def like(tree: Any, /) -> Any:
     """
     return optree.tree_map(
         _like_leaf, tree, is_leaf=lambda x: x is None, none_is_leaf=True, namespace=_tree.NAMESPACE
+    )
+
+
+def zeros_of(held: Any, device: torch.device, /) -> Any:
+    """Zeros with the shapes, strides and dtypes of a tree that ``like`` made, on ``device``."""
+    return optree.tree_map(
+        lambda x: torch.zeros_like(x, device=device) if isinstance(x, torch.Tensor) else x,
+        held,
+        is_leaf=lambda x: x is None,
+        none_is_leaf=True,
+        namespace=_tree.NAMESPACE,
     )
 
 

@@ -40,7 +40,7 @@ import optree
 import torch
 
 from fsync import _checks, _comm, _pack, _sparse, _tree
-from fsync._agree import Agreed, agree_on
+from fsync._agree import Agreed, Terms, agree_on, refuse, state_words
 from fsync._hierarchy import shard_plan
 from fsync._hook import Hook, SyncContext, hook_spec
 from fsync._options import SyncOptions
@@ -49,6 +49,10 @@ from fsync._planner import plan_tree
 from fsync.ops._allreduce import allreduce
 
 DEFAULT_HOOK = allreduce("mean")
+
+# The stages of a hierarchical reduce within the node, in the words of a failed wait.
+_WITHIN = "a bucket's reduce-scatter within the node"
+_GATHER = "the all-gather within the node"
 
 _HOOK_RESULT = (
     "hook.apply returned {got}; expected a pair (buckets, state): a list with one tensor per "
@@ -160,6 +164,7 @@ def agree_and_pack(
     options: SyncOptions,
     group: _comm.Group,
     *,
+    hook_state: Any = (),
     active: bool = True,
     step: torch.Tensor | None = None,
     state_fingerprint: torch.Tensor | None = None,
@@ -168,10 +173,11 @@ def agree_and_pack(
     """The ranks' agreement on this sync, and every bucket packed (eagerly, meanwhile).
 
     ``leaves`` must already fit ``plan`` (see ``fit_tree``). The ranks agree
-    (``_agree.agree_on``) on the plan, the options, the ``stage``, the sync's
-    sequence number ``step`` (a state's step count) and that
+    (``_agree.agree_on``) on the plan and the ``terms``: the options, the
+    ``stage``, the sync's sequence number ``step`` (a state's step count), that
     ``state_fingerprint`` (the fingerprint of the plan a state was made for) is
-    the plan's. A rank with ``active=False`` packs zeros.
+    the plan's, and the metadata of ``hook_state``. A rank with ``active=False``
+    packs zeros.
     """
     if not active:
         leaves = [None] * len(leaves)
@@ -179,13 +185,29 @@ def agree_and_pack(
         plan,
         leaves,
         group,
-        hook=agreed_spec(hook_of(options), group, stage),
-        find_unused=options.find_unused,
-        divide_by=options.divide_by,
-        active=active,
-        step=step,
-        state_fingerprint=state_fingerprint,
+        terms(options, group, hook_state, stage, active, step, state_fingerprint),
         pack=functools.partial(_pack_after, leaves, plan),
+    )
+
+
+def terms(
+    options: SyncOptions,
+    group: _comm.Group,
+    hook_state: Any = (),
+    stage: str = "sync",
+    active: bool = True,
+    step: torch.Tensor | None = None,
+    state_fingerprint: torch.Tensor | None = None,
+) -> Terms:
+    """What the ranks compare at a sync with ``options`` (see ``_agree.Terms``)."""
+    return Terms(
+        agreed_spec(hook_of(options), group, stage),
+        options.find_unused,
+        options.divide_by,
+        active,
+        step,
+        state_fingerprint,
+        state_words(hook_state),
     )
 
 
@@ -206,8 +228,21 @@ def dense(buffers: Sequence[torch.Tensor], plan: BucketPlan) -> list[torch.Tenso
 def start_hook(
     buffers: list[torch.Tensor], hook: Hook, state: Any, ctx: SyncContext
 ) -> tuple[list[torch.Tensor], Any]:
-    """``hook.apply`` on dense buffers: its collectives issued, its results maybe in flight."""
-    result = hook.apply(buffers, state, ctx)
+    """``hook.apply`` on dense buffers: its collectives issued, its results maybe in flight.
+
+    A check of the hook's that fails while tracing (a state that does not fit)
+    is refused (``_agree.refuse``) rather than raised inside dynamo: at run time
+    the ranks' agreement, earlier in the graph, has compared the hook states'
+    metadata and raises first if they differ; where every rank's hook found the
+    same, the refusal raises it on every rank.
+    """
+    try:
+        result = hook.apply(buffers, state, ctx)
+    except (ValueError, TypeError) as error:
+        if not torch.compiler.is_compiling():
+            raise
+        refused: tuple[list[torch.Tensor], Any] = refuse(error, ctx.group, (buffers, state))
+        return refused
     if not isinstance(result, tuple) or len(result) != 2:
         got = f"a {type(result).__name__}"
         if isinstance(result, tuple):
@@ -222,20 +257,34 @@ def start_hook(
     return list(out), state
 
 
-def finish_hook(out: list[torch.Tensor], ctx: SyncContext) -> list[torch.Tensor]:
-    """A started hook's buffers, waited for and checked against ``ctx.buckets``."""
-    out = [_comm.wait(b) for b in out]
+def finish_hook(out: list[torch.Tensor], ctx: SyncContext, where: str = "") -> list[torch.Tensor]:
+    """A started hook's buffers, waited for and checked against ``ctx.buckets``.
+
+    ``where`` follows the bucket in the words of a failed wait (``" across nodes"``).
+    """
+    out = [
+        _comm.wait(b, functools.partial(_stage, ctx, k, f"the hook's result{where}"))
+        for k, b in enumerate(out)
+    ]
     shards = ctx.world_size if ctx.scatter else 0
     _checks.check_buffers(out, ctx.buckets, ctx.plan, "hook output", shards=shards)
     return out
 
 
 def apply_hook(
-    buffers: list[torch.Tensor], hook: Hook, state: Any, ctx: SyncContext
+    buffers: list[torch.Tensor], hook: Hook, state: Any, ctx: SyncContext, where: str = ""
 ) -> tuple[list[torch.Tensor], Any]:
     """The hook on dense buffers over ``ctx.group``: started, then waited for."""
     out, state = start_hook(buffers, hook, state, ctx)
-    return finish_hook(out, ctx), state
+    return finish_hook(out, ctx, where), state
+
+
+def _stage(ctx: SyncContext, k: int, what: str) -> str:
+    """``"bucket 3 of 8 (what)"``: which of the plan's dense buckets ``ctx.buckets[k]`` is."""
+    dense = [spec for spec in ctx.plan.specs if not spec.sparse]
+    spec = ctx.buckets[k]
+    number = next((i for i, s in enumerate(dense) if s is spec or s == spec), k)
+    return f"bucket {number + 1} of {len(dense)} ({what})"
 
 
 def reduce_dense(
@@ -260,7 +309,7 @@ def reduce_within(buffers: list[torch.Tensor], within: _comm.Group | None) -> li
     local = _comm.size(within)
     # Issue every reduce-scatter before waiting on the first.
     pending = [_comm.reduce_scatter(_pack.pad_to_shards(b, local), "sum", within) for b in buffers]
-    return [_comm.wait(s) for s in pending]
+    return [_comm.wait(s, _WITHIN) for s in pending]
 
 
 def reduce_across(
@@ -272,7 +321,7 @@ def reduce_across(
     within: _comm.Group | None,
 ) -> tuple[list[torch.Tensor], Any]:
     """The hook on this rank's shards of ``ctx.buckets``, over the cross-node group."""
-    return apply_hook(shards, hook, state, cross_context(ctx, across, within))
+    return apply_hook(shards, hook, state, cross_context(ctx, across, within), " across nodes")
 
 
 def cross_context(ctx: SyncContext, across: _comm.Group, within: _comm.Group | None) -> SyncContext:
@@ -301,7 +350,7 @@ def gather_within(
     if within is None:
         return shards
     gathered = [_comm.all_gather(s, within) for s in shards]
-    return [_comm.wait(g)[: spec.numel] for g, spec in zip(gathered, buckets, strict=True)]
+    return [_comm.wait(g, _GATHER)[: spec.numel] for g, spec in zip(gathered, buckets, strict=True)]
 
 
 def alone(ctx: SyncContext, k: int) -> SyncContext:
@@ -331,7 +380,7 @@ def finish_bucket(pending: torch.Tensor, ctx: SyncContext) -> torch.Tensor:
     """The reduced buffer of a bucket that ``start_bucket`` started, waited for and checked."""
     if _comm.hierarchy(ctx.group) is None:
         return finish_hook([pending], ctx)[0]
-    return _comm.wait(pending)[: ctx.buckets[0].numel]
+    return _comm.wait(pending, functools.partial(_stage, ctx, 0, _GATHER))[: ctx.buckets[0].numel]
 
 
 def start_within(buffer: torch.Tensor, group: _comm.Group) -> torch.Tensor:
@@ -352,7 +401,7 @@ def reduce_started(
     across, within = _levels(ctx.group)
     if within is None:
         return apply_hook(started, hook, state, ctx)
-    shards = [_comm.wait(s) for s in started]
+    shards = [_comm.wait(s, _WITHIN) for s in started]
     out, state = reduce_across(shards, hook, state, ctx, across, within)
     return gather_within(out, ctx.buckets, within), state
 
@@ -385,14 +434,18 @@ def reduce(
     step: torch.Tensor | None = None,
     state_fingerprint: torch.Tensor | None = None,
 ) -> Reduced:
-    """One whole sync: agree and pack, every bucket reduced, sparse ones averaged."""
+    """One whole sync: agree and pack, every bucket reduced, sparse ones averaged.
+
+    The callers have checked what they could before it (``check_sparse`` with
+    ``agreed=False`` among it), refusing what they found (``_agree.refuse``).
+    """
     hook = hook_of(options)
-    check_sparse(plan, hook, agreed=False)
     agreed, buffers = agree_and_pack(
         leaves,
         plan,
         options,
         group,
+        hook_state=hook_state,
         active=active,
         step=step,
         state_fingerprint=state_fingerprint,
@@ -451,12 +504,7 @@ def reduce_finish(
         plan,
         [None] * len(plan.leaves),
         group,
-        hook=agreed_spec(hook, group, "finish"),
-        find_unused=options.find_unused,
-        divide_by=options.divide_by,
-        active=False,
-        step=step,
-        state_fingerprint=state_fingerprint,
+        terms(options, group, hook_state, "finish", False, step, state_fingerprint),
         pack=functools.partial(_after, shards),
     )
     ctx = context(plan, group, agreed.divisor)
@@ -477,12 +525,23 @@ def _levels(group: _comm.Group) -> tuple[_comm.Group, _comm.Group | None]:
 
 
 def sync_tree(grads: Any, options: SyncOptions, group: _comm.Group, *, active: bool = True) -> Any:
-    """A stateless sync of a gradient tree: plan it, reduce it, the synced tree back."""
-    leaves, plan, rebuild = plan_tree(grads, options.plan)
-    state = init_hook(options, plan, group)
-    if optree.tree_leaves(state, namespace=_tree.NAMESPACE):
-        raise ValueError(_checks.STATEFUL_HOOK)
-    return rebuild(unpack_reduced(reduce(leaves, plan, options, state, group, active=active), plan))
+    """A stateless sync of a gradient tree: plan it, reduce it, the synced tree back.
+
+    What the checks before the agreement find on this rank is every rank's error
+    (``_agree.refuse``).
+    """
+    try:
+        leaves, plan, rebuild = plan_tree(grads, options.plan)
+        state = init_hook(options, plan, group)
+        if optree.tree_leaves(state, namespace=_tree.NAMESPACE):
+            raise ValueError(_checks.STATEFUL_HOOK)
+        check_sparse(plan, hook_of(options), agreed=False)
+    except (ValueError, TypeError) as error:
+        return refuse(error, group, like=grads)
+    reduced = _comm.naming(
+        lambda: reduce(leaves, plan, options, state, group, active=active), group
+    )
+    return rebuild(unpack_reduced(reduced, plan))
 
 
 def unpack_reduced(reduced: Reduced, plan: BucketPlan) -> list[torch.Tensor | None]:

@@ -18,11 +18,19 @@ import torch
 from typing_extensions import Unpack
 
 from fsync import _checks, _comm, _grad, _planner, _tree
-from fsync._agree import verify_plan
+from fsync._agree import planned, refuse, verify_plan
 from fsync._hook import Hook
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan, LeafSpec
-from fsync._reduce import hook_of, init_hook, reduce, sync_tree, unpack_reduced
+from fsync._reduce import (
+    Reduced,
+    check_sparse,
+    hook_of,
+    init_hook,
+    reduce,
+    sync_tree,
+    unpack_reduced,
+)
 from fsync._serialization import register_state
 
 
@@ -176,7 +184,7 @@ class GradSync:
                 other options than this object's.
         """
         _comm.check_group(self.group)
-        tree, plan = _init_plan(self.options, tree)
+        tree, plan = planned(lambda: _init_plan(self.options, tree), self.group)
         verify_plan(plan, self.group, what="trees passed to GradSync.init")
         return SyncState(
             fingerprint=torch.tensor(plan.fingerprint, dtype=torch.int64),
@@ -207,19 +215,12 @@ class GradSync:
                 grad, or ``state`` belongs to another plan.
         """
         _checks.check_flag("active", active)
-        if grads is None and active:
-            raise ValueError(_checks.NO_GRADS)
-        leaves, plan, rebuild = _fit(self, grads, state)
-        reduced = reduce(
-            leaves,
-            plan,
-            self.options,
-            state.hook,
-            self.group,
-            active=active,
-            step=state.step,
-            state_fingerprint=state.fingerprint,
-        )
+        try:
+            leaves, plan, rebuild = _checked(self, grads, state, active)
+        except (ValueError, TypeError) as error:
+            like = (_expected(self, grads, state), state)
+            return refuse(error, self.group, like)  # type: ignore[no-any-return]
+        reduced = _reduced(self, leaves, plan, state, active)
         new_state = state._replace(hook=reduced.hook_state, step=state.step + 1)
         return rebuild(unpack_reduced(reduced, plan)), new_state
 
@@ -256,6 +257,42 @@ class GradSync:
         """[grad_and_value][fsync.GradSync.grad_and_value] without the value: ``torch.func.grad``'s
         results (``grads``, or ``(grads, aux)``) and the new state."""
         return _grad.stateful(self, self._fit_argument, fn, argnums, has_aux, value=False)
+
+
+def _reduced(
+    sync: GradSync, leaves: list[Any], plan: BucketPlan, state: SyncState, active: bool
+) -> Reduced:
+    """The one reduce at the state's step, a collective that fails in it named."""
+    return _comm.naming(
+        lambda: reduce(
+            leaves,
+            plan,
+            sync.options,
+            state.hook,
+            sync.group,
+            active=active,
+            step=state.step,
+            state_fingerprint=state.fingerprint,
+        ),
+        sync.group,
+        step=state.step,
+    )
+
+
+def _checked(sync: GradSync, grads: Any, state: SyncState, active: bool) -> _planner.Planned:
+    """``grads`` fitted to the plan of ``state``: every check a sync makes before the agreement."""
+    planned = _fit(sync, _checks.given(grads) if active else grads, state)
+    check_sparse(planned.plan, sync.hook, agreed=False)
+    return planned
+
+
+def _expected(sync: GradSync, grads: Any, state: Any) -> Any:
+    """What a refused sync returns under ``torch.compile`` (see ``_agree.refuse``): zeros
+    shaped like the state's tree (``grads`` itself where ``state`` is no state), so that the
+    rest of the step traces."""
+    if not isinstance(state, SyncState):
+        return grads
+    return _planner.zeros_of(state.like, _comm.default_device(sync.group))
 
 
 def _fit(sync: GradSync, grads: Any, state: SyncState, what: str = "grads") -> _planner.Planned:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from fsync import _comm, _tree
-from fsync._agree import verify_plan
+from fsync._agree import planned, verify_plan
 from fsync._broadcast import broadcast_leaves
 from fsync._planner import value_plan
 
@@ -51,7 +51,7 @@ def verify(tree: Any, /, *, group: _comm.Group = None, values: bool = False) -> 
         >>> fsync.verify({"w": torch.ones(2)}, values=True)
     """
     _comm.check_group(group)
-    leaves, plan, _ = value_plan(tree, "verify")
+    leaves, plan, _ = planned(lambda: value_plan(tree, "verify"), group)
     verify_plan(plan, group, what="trees passed to fsync.verify")
     if not values or _comm.size(group) == 1:
         return

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fsync import _checks, _comm, _pack, _planner, _tree
-from fsync._agree import verify_plan
+from fsync._agree import planned, refuse, verify_plan
 from fsync._hook import Hook
 from fsync._options import SyncOptions
 from fsync._plan import BucketPlan
@@ -221,6 +221,7 @@ def _reduced_pieces(
         layout.plan,
         step.options,
         step.group,
+        hook_state=state.hook,
         step=state.step,
         state_fingerprint=state.layout[0],
     )
@@ -342,7 +343,9 @@ def _fit(step: ZeroStep, params: Any, state: Any, what: str) -> tuple[_planner.P
 def _plan_params(step: ZeroStep, params: Any) -> tuple[list[Any], ZeroLayout]:
     """The leaves of a parameter tree and its layout, agreed on by every rank."""
     _comm.check_group(step.group)
-    leaves, plan, _ = _planner.plan_tree(params, step.options.plan, what="params")
+    leaves, plan, _ = planned(
+        lambda: _planner.plan_tree(params, step.options.plan, what="params"), step.group
+    )
     # First the collective check, so that every rank raises the same error.
     verify_plan(plan, step.group, what="parameter trees passed to ZeroStep.init")
     for spec in plan.leaves:
@@ -478,20 +481,29 @@ class ZeroStep:
             ValueError: ``params`` or ``grads`` do not fit the plan, a gradient
                 requires grad, or ``state`` was made for another plan, world or rank.
         """
-        (p_leaves, plan, rebuild), layout = _fit(self, params, state, "params")
-        for leaf, spec in zip(p_leaves, plan.leaves, strict=True):
-            if leaf is None and spec is not None:
-                raise ValueError(
-                    f"params leaf {spec.path!r} is None, but the plan holds a parameter there; "
-                    "pass the parameter tree given to init."
-                )
-        g_leaves = _fit(self, grads, state, "grads")[0].leaves
-        grad_pieces, hook_state = _reduced_pieces(self, g_leaves, layout, state)
+        try:
+            (p_leaves, plan, rebuild), layout = _fit(self, params, state, "params")
+            for leaf, spec in zip(p_leaves, plan.leaves, strict=True):
+                if leaf is None and spec is not None:
+                    raise ValueError(
+                        f"params leaf {spec.path!r} is None, but the plan holds a parameter "
+                        "there; pass the parameter tree given to init."
+                    )
+            g_leaves = _fit(self, grads, state, "grads")[0].leaves
+        except (ValueError, TypeError) as error:
+            return refuse(error, self.group, like=(params, state))  # type: ignore[no-any-return]
+        grad_pieces, hook_state = _comm.naming(
+            lambda: _reduced_pieces(self, g_leaves, layout, state), self.group, step=state.step
+        )
         specs = plan.specs
         param_pieces = [pack_range(p_leaves, plan, p, specs[p.bucket].dtype) for p in layout.pieces]
         new_pieces, opt_state = self.optimizer.update(param_pieces, grad_pieces, state.opt)
         _check_pieces(layout, new_pieces)
-        buffers = _gather(layout, new_pieces, self.group, [spec.dtype for spec in specs])
+        buffers = _comm.naming(
+            lambda: _gather(layout, new_pieces, self.group, [spec.dtype for spec in specs]),
+            self.group,
+            step=state.step,
+        )
         out = _pack.unpack_leaves(buffers, plan)
         new_state = state._replace(hook=hook_state, opt=opt_state, step=state.step + 1)
         return rebuild(out), new_state

@@ -10,6 +10,7 @@ bucket collective was issued).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 import fsync
+from fsync._agree import AGREEMENT
+from fsync._comm import REPORT_PATIENCE_S
 from tests._world import World
 
 # An error must come from the control collective, long before any timeout.
@@ -118,6 +121,10 @@ def _on_rank_sync_grads_disagree(compiled_cases):
             step = torch.compile(
                 lambda t, o=options: fsync.sync_grads(t, **o), fullgraph=True, dynamic=False
             )
+            # The first call compiles (untimed: minutes on a loaded 2-core machine); the
+            # claim is that the error comes from the agreement, long before any timeout.
+            with pytest.raises(ValueError, match=match):
+                step(tree)
             _raises_everywhere(lambda t=tree, s=step: s(t), match)
         # Nothing was sent but the control collective: the group works as before.
         assert torch.equal(fsync.sync_grads(base)["enc.w"], torch.full((4, 3), expected))
@@ -203,9 +210,6 @@ def test_none_leaves_have_ddp_semantics_or_raise_everywhere(world: World):
     world.run(_on_rank_none_leaves, timeout=400)
 
 
-PG_TIMEOUT = 4.0
-
-
 def _on_rank_compiled_peer_stops(mode):
     rank = dist.get_rank()
     sync = fsync.GradSync()
@@ -225,17 +229,27 @@ def _on_rank_compiled_peer_stops(mode):
     return time.monotonic() - started, str(error.value)
 
 
+# The first compiled step's agreement waits for the slower rank's compilation, which on a
+# loaded two-core machine can finish many seconds after the other's: the group's timeout
+# must cover that skew, or the warm-up itself times out.
+COMPILED_PG_TIMEOUT = 30.0
+
+
 @pytest.mark.parametrize("mode", ["skips", "dies"])
 def test_compiled_step_fails_within_the_timeout_when_a_peer_stops(mode):
-    world = World(2, pg_timeout=PG_TIMEOUT)
+    world = World(2, pg_timeout=COMPILED_PG_TIMEOUT)
     results = world.run_unchecked(_on_rank_compiled_peer_stops, mode, timeout=240)
     kind, value = results[0]
     assert kind == "ok", value
     elapsed, message = value
-    # fsync's own words, from the agreement that the compiled step runs first; gloo gives
-    # up after the group's timeout (the slack covers scheduling on two loaded cores).
+    # fsync's own words, from the agreement that the compiled step runs first, with the
+    # step (the state's), the stage and the missing rank; gloo gives up after the group's
+    # timeout, then the rank waits REPORT_PATIENCE_S for the others' reports (the slack
+    # covers scheduling on two loaded cores).
     assert "process group's timeout" in message
-    assert elapsed < PG_TIMEOUT + 20, elapsed
+    assert f"an fsync collective failed at {AGREEMENT}" in message, message
+    assert "rank 1 did not arrive" in message and "rank 0 saw the failure there" in message
+    assert elapsed < COMPILED_PG_TIMEOUT + REPORT_PATIENCE_S + 20, elapsed
     assert results[1] == (("died", 3) if mode == "dies" else ("ok", "stopped"))
 
 
@@ -285,3 +299,119 @@ def _on_rank_misuse():
 @pytest.mark.parametrize("world", [2], indirect=True)
 def test_misuse_gets_fsync_errors_and_compression_compiles_on_plain_dicts(world: World):
     world.run(_on_rank_misuse, timeout=400)
+
+
+# --- what one rank finds alone ------------------------------------------------------------------
+
+
+def _refused(call, match, error=ValueError):
+    """``call()`` raises ``error`` matching ``match``, fast; the group works afterwards."""
+    started = time.monotonic()
+    with pytest.raises(error, match=match):
+        call()
+    assert time.monotonic() - started < FAST
+    expected = sum(float(r + 1) for r in range(dist.get_world_size())) / dist.get_world_size()
+    assert torch.equal(
+        fsync.sync_grads(_tree(dist.get_rank()))["enc.w"], torch.full((4, 3), expected)
+    )
+
+
+def _on_rank_local_findings(compiled):
+    """Each check that fails on the last rank alone is the same error on every rank."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    last = world_size - 1
+    odd = rank == last
+    base = _tree(rank)
+    refused = rf"rank {last} cannot take part in this sync, so no rank sent its buckets"
+
+    def run(fn):
+        """Eagerly, or compiled: the first call compiles (untimed), the second is checked."""
+        if not compiled:
+            return fn
+        step = torch.compile(fn, fullgraph=True)
+
+        def call(*args):
+            with contextlib.suppress(ValueError, TypeError):
+                step(*args)
+            return step(*args)
+
+        return call
+
+    sync = fsync.GradSync()
+    state = sync.init(base)
+    step = run(lambda g, s: sync(g, s))
+    wider = {**base, "enc.w": torch.ones(5, 3)}
+    _refused(
+        lambda: step(wider if odd else base, state),
+        rf"{refused} \(every rank raises this error\): rank {last}: grads does not match the "
+        r"plan: leaf 'enc.w' has shape \(5, 3\)",
+    )
+    foreign = sync.init({**base, "enc.b": torch.ones(7)})  # a state made for another tree
+    _refused(
+        lambda: step(base, foreign if odd else state),
+        rf"{refused}.*rank {last}: grads does not match the plan: leaf 'enc.b' has shape \(4,\)",
+    )
+    powersgd = fsync.GradSync(hook=fsync.ops.powersgd(1, start_step=0, min_compression_rate=0))
+    hooked = powersgd.init(base)
+    stale = powersgd.init({**base, "enc.w": torch.ones(6, 3)}).hook  # another plan's hook state
+    step_powersgd = run(lambda g, s: powersgd(g, s))
+    _refused(
+        lambda: step_powersgd(base, hooked._replace(hook=stale) if odd else hooked),
+        r"the hook's state differs across ranks: its leaf 1 is \(\d+,\) torch.float32 on rank 0 "
+        rf"but \(\d+,\) torch.float32 on rank {last}",
+    )
+    # A wrong leaf type on one rank: every rank raises the TypeError it found.
+    ints = {**base, "enc.b": torch.ones(4, dtype=torch.int64)}
+    stateless = run(lambda g: fsync.sync_grads(g))
+    _refused(
+        lambda: stateless(ints if odd else base),
+        rf"{refused}.*rank {last}: grads leaf 'enc.b' has dtype torch.int64",
+        TypeError,
+    )
+    if compiled:
+        # A shape changed on one rank only, under plain torch.compile: dynamo makes it
+        # symbolic (automatic dynamic shapes), fsync specializes it (a plan needs static
+        # shapes), and the ranks' plans then differ: fsync's error, not dynamo's.
+        dynamic = torch.compile(lambda g: fsync.sync_grads(g), fullgraph=True)
+        dynamic(base)
+        changed = {**base, "enc.w": torch.ones(5, 3)} if odd else base
+        with contextlib.suppress(ValueError):  # compiles the odd rank's new graph
+            dynamic(changed)
+        _refused(
+            lambda: dynamic(changed),
+            rf"grads differ across ranks: leaf 'enc.w' has shape \(4, 3\).* on rank 0 but "
+            rf"shape \(5, 3\).* on rank {last}",
+        )
+        return
+    # A state of another kind, and a tree that is no tree of tensors, at init.
+    _refused(
+        lambda: sync(base, (state.hook,) if odd else state),
+        rf"{refused}.*rank {last}: state is a tuple; expected the SyncState",
+        TypeError,
+    )
+    _refused(
+        lambda: fsync.GradSync().init({**base, "lr": 0.1} if odd else base),
+        rf"{refused}.*rank {last}: tree leaf 'lr' is a float",
+        TypeError,
+    )
+
+    # fn itself raises on one rank: that rank raises its own error, the others name it.
+    def loss(params):
+        if odd:
+            raise ZeroDivisionError("this rank's batch was empty")
+        return sum(p.sum() for p in params.values())
+
+    if odd:
+        _refused(lambda: fsync.grad(loss)(base), "this rank's batch was empty", ZeroDivisionError)
+    else:
+        _refused(
+            lambda: fsync.grad(loss)(base),
+            rf"{refused}.*rank {last}: fn raised ZeroDivisionError: this rank's batch was empty",
+            RuntimeError,
+        )
+
+
+@pytest.mark.parametrize("world", [2, 3], indirect=True)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_what_one_rank_finds_alone_is_every_ranks_error(world: World, compiled):
+    world.run(_on_rank_local_findings, compiled, timeout=600)

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 import fsync
+from fsync._agree import AGREEMENT
+from fsync._comm import REPORT_PATIENCE_S
 from tests._numerics import gathered, summation_bound
 from tests._world import World
 
@@ -28,6 +30,17 @@ def _on_rank_one_skips_sync(mode):
     return time.monotonic() - started, str(error.value)
 
 
+def _missing_rank_1(message, world_size, stage, step):
+    """The words a live rank's error must hold when rank 1 is gone: where, when, who."""
+    assert f"an fsync collective failed at {stage}" in message, message
+    assert step in message, message
+    assert "rank 1 did not arrive (dead, hung, or not calling this sync" in message, message
+    live = [r for r in range(world_size) if r != 1]  # each saw the failure at the same stage
+    who = ("rank " if len(live) == 1 else "ranks ") + ", ".join(map(str, live))
+    assert f"{who} saw the failure there." in message, message
+    assert "Backend error:" in message
+
+
 @pytest.mark.parametrize("mode", ["skips", "dies"])
 def test_peer_that_never_syncs_fails_within_the_timeout(mode):
     world = World(2, pg_timeout=PG_TIMEOUT)
@@ -36,9 +49,12 @@ def test_peer_that_never_syncs_fails_within_the_timeout(mode):
     assert kind == "ok", value
     elapsed, message = value
     # gloo gives up after the group's timeout (or at once when the peer's socket closes);
-    # the slack covers process scheduling on a loaded machine.
-    assert elapsed < PG_TIMEOUT + 20, elapsed
+    # then the live rank waits up to REPORT_PATIENCE_S for the others' reports; the slack
+    # covers process scheduling on a loaded machine.
+    assert elapsed < PG_TIMEOUT + REPORT_PATIENCE_S + 20, elapsed
     assert "process group's timeout" in message
+    # sync_grads keeps no step count: the sync is named by c10d's count of the group.
+    _missing_rank_1(message, 2, AGREEMENT, "in the sync begun at c10d collective #")
     assert results[1] == (("died", 3) if mode == "dies" else ("ok", "skipped"))
 
 
@@ -53,7 +69,7 @@ def _on_rank_one_stops_after_steps(mode):
         assert torch.equal(out["w"], grads["w"])
     if rank == 1:
         if mode == "dies":
-            # Dies while computing its next step, once rank 0 surely read the last one.
+            # Dies while computing its next step, once the others surely read the last one.
             time.sleep(0.5)
             os._exit(3)
         return "stopped"  # never calls the sync again
@@ -63,23 +79,27 @@ def _on_rank_one_stops_after_steps(mode):
     return time.monotonic() - started, str(error.value)
 
 
+@pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("mode", ["skips", "dies"])
-def test_peer_that_stops_in_the_steady_state_fails_within_the_timeout(mode):
-    world = World(2, pg_timeout=PG_TIMEOUT)
+def test_peer_that_stops_in_the_steady_state_fails_within_the_timeout(mode, size):
+    world = World(size, pg_timeout=PG_TIMEOUT)
     results = world.run_unchecked(_on_rank_one_stops_after_steps, mode, timeout=60)
-    kind, value = results[0]
-    assert kind == "ok", value
-    elapsed, message = value
-    assert "process group's timeout" in message
-    if mode == "skips":
-        # A live peer that never answers: gloo waits out the group's timeout, then fails
-        # (measured: 4.00-4.01 s). The 3 s above it cover the rank's scheduling on two
-        # cores shared with other processes; below it, only timer granularity.
-        assert PG_TIMEOUT - 0.5 < elapsed < PG_TIMEOUT + 3, elapsed
-    else:
-        # A dead peer's sockets close: gloo fails as soon as rank 1 exits (its 0.5 s sleep;
-        # measured 0.51 s), well before the timeout.
-        assert elapsed < PG_TIMEOUT / 2, elapsed
+    for rank in (r for r in range(size) if r != 1):
+        kind, value = results[rank]
+        assert kind == "ok", value
+        elapsed, message = value
+        assert "process group's timeout" in message
+        _missing_rank_1(message, size, AGREEMENT, "in step 3 of its state")
+        if mode == "skips":
+            # A live peer that never answers: gloo waits out the group's timeout (measured:
+            # 4.00-4.01 s), then the rank waits REPORT_PATIENCE_S for rank 1's report, which
+            # never comes. The 3 s above cover the rank's scheduling on two loaded cores.
+            low = PG_TIMEOUT + REPORT_PATIENCE_S - 0.5
+            assert low < elapsed < PG_TIMEOUT + REPORT_PATIENCE_S + 3, elapsed
+        else:
+            # A dead peer's sockets close: gloo fails as soon as rank 1 exits (its 0.5 s
+            # sleep), well before the timeout; then the wait for rank 1's report.
+            assert elapsed < PG_TIMEOUT / 2 + REPORT_PATIENCE_S, elapsed
     assert results[1] == (("died", 3) if mode == "dies" else ("ok", "stopped"))
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fsync import _comm
 from fsync._checks import check_floating
 from fsync._hook import Buckets, Hook, SyncContext, check_hook, hook_spec, spec_of
 from fsync._plan import BucketPlan, BucketSpec
@@ -66,8 +67,10 @@ def _compress(name: str, dtype: torch.dtype, inner: Hook | None) -> Hook:
             owned=ctx.owned or all(spec.dtype != dtype for spec in ctx.buckets),
         )
         out, state = inner.apply([b.to(dtype) for b in buckets], state, inner_ctx)
-        # Element-wise, so a shard (ctx.scatter) is cast back as well as a whole bucket.
-        return [o.to(spec.dtype) for o, spec in zip(out, ctx.buckets, strict=True)], state
+        # Element-wise, so a shard (ctx.scatter) is cast back as well as a whole bucket; the
+        # wait first, so that a failed collective is fsync's error (see _comm.wait).
+        cast = [_comm.wait(o).to(spec.dtype) for o, spec in zip(out, ctx.buckets, strict=True)]
+        return cast, state
 
     return Hook(init, apply, spec_of(name, hook_spec(inner)), bucketwise=inner.bucketwise)
 

@@ -475,15 +475,18 @@ def _power_step(
     ps = [torch.bmm(m, v) for m, v in zip(ms, qs, strict=True)]
     # One collective for the Ps (summed: they are orthonormalised next, so their scale
     # does not matter) and the mean of the uncompressed leaves.
-    reduced = _comm.all_reduce(
-        torch.cat([ctx.divide(rest), *(p.reshape(-1) for p in ps)]), "sum", ctx.group
+    # Waited for here, where the result is needed: a failure is fsync's named error.
+    reduced = _comm.wait(
+        _comm.all_reduce(
+            torch.cat([ctx.divide(rest), *(p.reshape(-1) for p in ps)]), "sum", ctx.group
+        )
     )
     p_sums = _batches(reduced[rest.numel() :], [(g.batch, g.rows, g.rank) for g in groups])
     ps = [_orthogonalise(p, epsilon) for p in p_sums]
     q_local = torch.cat(
         [torch.bmm(m.transpose(1, 2), p).reshape(-1) for m, p in zip(ms, ps, strict=True)]
     )
-    q_mean = _comm.all_reduce(ctx.divide(q_local), "sum", ctx.group)
+    q_mean = _comm.wait(_comm.all_reduce(ctx.divide(q_local), "sum", ctx.group))
     new_qs = _batches(q_mean, [(g.batch, g.cols, g.rank) for g in groups])
     approx = torch.cat(
         [torch.bmm(p, v.transpose(1, 2)).reshape(-1) for p, v in zip(ps, new_qs, strict=True)]

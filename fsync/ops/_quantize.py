@@ -123,7 +123,7 @@ def quantize(bits: int = 8, *, per_channel: bool = False, channel_size: int = 51
         q = torch.clamp(torch.round(x / scale[:, None]) + zero_point[:, None], 0, levels)
         header = torch.cat([scale, zero_point]).view(torch.uint8)
         payload = torch.cat([header, _pack_bits(q.to(torch.uint8).view(-1), bits)])
-        gathered = _comm.all_gather(payload, ctx.group).view(-1, message)
+        gathered = _comm.wait(_comm.all_gather(payload, ctx.group)).view(-1, message)
         world_size = gathered.shape[0]
         params = gathered[:, : header.numel()].reshape(-1).view(torch.float32)
         scales, zero_points = params.view(world_size, 2, channels).unbind(1)
