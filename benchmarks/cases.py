@@ -28,6 +28,8 @@ from benchmarks.report import AGREEMENT
 from fsync import _agree
 
 LR = 1e-3
+# The step table's row for fsync's own gradient call (fsync eager is sync_grads after torch.func).
+GRAD_AND_VALUE = "fsync eager, grad_and_value"
 
 
 def median_ms(fn: Callable[[], Any], *, warmup: int, steps: int) -> float:
@@ -81,6 +83,11 @@ def case_step_time(
 ) -> tuple[dict[str, float], dict[str, tuple[int, int]]]:
     """One training step (forward, backward, sync, SGD update) in each setting.
 
+    The eager fsync steps sync after ``torch.func.grad_and_value`` (``fsync eager``)
+    or through ``fsync.grad_and_value`` (``fsync eager, grad_and_value``), whose
+    all-reduces start during backward; the compiled ones are ``fsync.compile`` of the
+    former.
+
     Returns the median milliseconds per setting, and for the compiled fsync steps the
     number of collectives in the compiled code and of compute kernels launched while one
     of them is in flight (:func:`overlapped_kernels`), with and without overlap.
@@ -124,11 +131,19 @@ def case_step_time(
     optimizer = fsync.optim.sgd(LR)
     params = {n: p.detach().clone() for n, p in work.model.named_parameters()}
 
-    def functional_step(sync: bool) -> Callable[..., Any]:
+    synced = fsync.grad_and_value(work.functional_loss)
+
+    def functional_step(sync: bool, during_backward: bool = False) -> Callable[..., Any]:
+        """With ``sync``: ``sync_grads`` after ``torch.func``, or, ``during_backward``,
+        ``fsync.grad_and_value``, which starts each bucket's all-reduce as backward ends it."""
+
         def step(params: dict[str, torch.Tensor], state: Any) -> Any:
-            loss, grads = torch.func.grad_and_value(work.functional_loss)(params, batch)[::-1]
-            if sync:
-                grads = fsync.sync_grads(grads)
+            if during_backward:
+                grads, loss = synced(params, batch)
+            else:
+                grads, loss = torch.func.grad_and_value(work.functional_loss)(params, batch)
+                if sync:
+                    grads = fsync.sync_grads(grads)
             params, state = optimizer.update(params, grads, state)
             return params, state, loss
 
@@ -157,6 +172,9 @@ def case_step_time(
     )
     compiled("local compiled (no sync)", sync=False, overlap=False)
     results["fsync eager"] = median_ms(run(functional_step(True)), warmup=warmup, steps=steps)
+    results[GRAD_AND_VALUE] = median_ms(
+        run(functional_step(True, during_backward=True)), warmup=warmup, steps=steps
+    )
     compiled("fsync compiled", sync=True, overlap=False)
     compiled("fsync compiled + overlap", sync=True, overlap=True)
     # What every sync adds to be safe: the ranks' agreement (one all-reduce of 13 int64 and

@@ -8,20 +8,32 @@ root): a private network namespace whose loopback is shaped to a rate. For each
 rate (unshaped, then 16, 8 and 4 Gbit/s) this module re-runs itself in a fresh
 namespace (``python -m benchmarks.link --child RATE``), which spawns the ranks,
 measures, and hands back JSON; the parent writes ``docs/benchmarks-link.md`` and
-one figure per question.
+one figure per question (:mod:`benchmarks.link_report`).
 
 By hand, one rate: ``slownet --rate 8gbit -- python -m benchmarks.link --child 8gbit``.
 
-The workload is the benchmark MLP (8.4M parameters, 33.6 MB of gradients) at
-batch 256 with 4 MiB buckets (fsync and DDP alike), where compute is longer than
-the all-reduce at 8 Gbit/s; also at batch 64 (link-bound) and with the default
-25 MiB buckets, the sync alone, and the ZeRO step.
+The workloads, all with 4 MiB buckets (fsync and DDP alike):
+
+- the benchmark MLP (8.4M parameters, 33.6 MB of gradients) at batch 256, where
+  compute is longer than the all-reduce at 8 Gbit/s, at every rate; at 8 Gbit/s
+  also at batch 64 (link-bound) and with the default 25 MiB buckets, the sync
+  alone, and the ZeRO step;
+- a deep MLP (8 equal 1024 x 1024 layers, 8.4M parameters) and the GPT (21M),
+  at batch 64 and 256 (the GPT's batch counts tokens: 1 or 4 sequences of 64),
+  unshaped and at 8 Gbit/s;
+- unshaped, the peak memory of the eager step (deep MLP and GPT at batch 256),
+  each setting in a fresh world.
+
+On 2 quiet cores the whole run takes about half an hour, most of it compiling:
+each row compiles four steps (the module, DDP, the functional floor and fsync's),
+once per process; the rates share one inductor cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import pathlib
@@ -42,22 +54,38 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import fsync  # noqa: E402
-from benchmarks import cases, models, report  # noqa: E402
+from benchmarks import cases, models  # noqa: E402
 
 RATES = ("unshaped", "16gbit", "8gbit", "4gbit")
 SLOWNET = ROOT.parent / "shared" / "tools" / "slownet"
 CAP_MB = 4.0
 INNER_STEPS = 8  # DiLoCo's H in the mesh rows
+# The MLP runs at batch 256 at every rate; these beside it, at these batches and rates.
+WORKLOADS = ("deep MLP", "GPT")
+BATCHES = (64, 256)
+WORKLOAD_RATES = ("unshaped", "8gbit")
+GPT_BLOCK = 64  # tokens per GPT sequence: its batch of 256 tokens is 4 sequences
+GAV = "fsync eager, grad_and_value"
+FUNC = "fsync eager, torch.func + sync_grads"
 # What each setting's own compute is: the share of the all-reduce a step hides is
 # (own compute + flat all-reduce - step) / flat all-reduce.
 SETTINGS = {
     "DDP eager": "compute, module eager",
     "DDP compiled": "compute, module compiled",
-    "fsync eager": "compute, functional eager",
+    GAV: "compute, functional eager",
+    FUNC: "compute, functional eager",
     "fsync compiled": "compute, functional compiled",
 }
+FLOORS = tuple(dict.fromkeys(SETTINGS.values()))
 FLAT = "flat all-reduce of the gradients"
 CEILING = "flat all-reduce issued before the compiled compute (ceiling)"
+# The memory worlds: the eager step of each setting, alone in its processes.
+MEMORY_SETTINGS = ("compute, module eager", "DDP eager", GAV, FUNC)
+MEMORY_BATCH = 256
+# glibc's malloc gives every block of 64 KiB or more back to the system when it is freed,
+# so that RSS follows the tensors alive. By default it keeps freed blocks to reuse, and the
+# deep MLP's peak under DDP varied by 3 buckets from one world to the next; fixed, by 2 MiB.
+ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,69 +106,119 @@ def _timing(args: argparse.Namespace) -> dict[str, int]:
     return {"warmup": args.warmup, "steps": args.steps}
 
 
-def _step_times(work: models.Workload, cap: float, timing: dict[str, int]) -> dict[str, float]:
-    """Floors and the four settings for one workload and bucket size."""
-    torch._dynamo.reset()
-    rank = dist.get_rank()
-    batch = work.batch(rank)
-    out: dict[str, float] = {}
-    ms = lambda fn: cases.median_ms(fn, **timing)  # noqa: E731
+def workload(name: str, batch: int, smoke: bool) -> models.Workload:
+    """The workload ``name`` at ``batch`` samples per rank (the GPT: tokens, in sequences of 64)."""
+    scale = 1 / 16 if smoke else 1.0
+    if name == "MLP":
+        return models.mlp(batch=batch, scale=scale)
+    if name == "deep MLP":
+        return models.deep_mlp(batch=batch, scale=scale)
+    sequences = max(1, batch // GPT_BLOCK)
+    if smoke:
+        return models.gpt(n_layer=1, scale=1 / 8, vocab_size=256, batch=sequences)
+    return models.gpt(block_size=GPT_BLOCK, batch=sequences)
 
-    def module_step(model: torch.nn.Module, forward: Callable[..., Any]) -> Callable[[], None]:
-        optimizer = torch.optim.SGD(model.parameters(), lr=cases.LR)
 
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            work.criterion(forward(batch[0]), batch[1]).backward()
-            optimizer.step()
+def row_key(name: str, batch: int, cap: float = CAP_MB) -> str:
+    """A row's name in the results: workload, batch, and the buckets where not 4 MiB."""
+    return f"{name}, batch {batch}" + ("" if cap == CAP_MB else f", {cap:g} MiB buckets")
 
-        return step
 
-    local = copy.deepcopy(work.model)
-    out["compute, module eager"] = ms(module_step(local, local))
-    local_c = copy.deepcopy(work.model)
-    out["compute, module compiled"] = ms(module_step(local_c, torch.compile(local_c)))
-    ddp = DDP(copy.deepcopy(work.model), bucket_cap_mb=cap)
-    out["DDP eager"] = ms(module_step(ddp, ddp))
-    ddp_c = DDP(copy.deepcopy(work.model), bucket_cap_mb=cap)
-    out["DDP compiled"] = ms(module_step(ddp_c, torch.compile(ddp_c)))
+def _module_step(
+    work: models.Workload, model: torch.nn.Module, forward: Callable[..., Any], batch: Any
+) -> Callable[[], None]:
+    """An autograd step on ``model`` (through ``forward``) with ``torch.optim.SGD``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=cases.LR)
 
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        work.criterion(forward(batch[0]), batch[1]).backward()
+        optimizer.step()
+
+    return step
+
+
+def _functional_step(work: models.Workload, batch: Any, sync: str | None, cap: float) -> Any:
+    """A ``torch.func`` step with ``fsync.optim.sgd``; ``sync`` is ``None`` (the floor),
+    ``"sync_grads"`` (after ``torch.func.grad_and_value``) or ``"grad_and_value"`` (fsync's)."""
     optimizer = fsync.optim.sgd(cases.LR)
-    params = work.params()
+    synced = fsync.grad_and_value(work.functional_loss, bucket_cap_mb=cap)
 
-    def functional(sync: bool) -> Callable[..., Any]:
-        def step(params: dict[str, torch.Tensor], state: Any) -> Any:
-            grads = torch.func.grad(work.functional_loss)(params, batch)
-            if sync:
+    def step(params: dict[str, torch.Tensor], state: Any) -> Any:
+        if sync == "grad_and_value":
+            grads, _ = synced(params, batch)
+        else:
+            grads, _ = torch.func.grad_and_value(work.functional_loss)(params, batch)
+            if sync == "sync_grads":
                 grads = fsync.sync_grads(grads, bucket_cap_mb=cap)
-            return optimizer.update(params, grads, state)
+        return optimizer.update(params, grads, state)
 
-        return step
+    return step
 
-    def run(fn: Callable[..., Any]) -> Callable[[], None]:
-        state = {"p": params, "o": optimizer.init(params)}
 
-        def call() -> None:
-            state["p"], state["o"] = fn(state["p"], state["o"])
+def _held(work: models.Workload, fn: Callable[..., Any]) -> Callable[[], None]:
+    """``fn`` as a call that threads its parameters and optimizer state from step to step."""
+    params = work.params()
+    state = {"p": params, "o": fsync.optim.sgd(cases.LR).init(params)}
 
+    def call() -> None:
+        state["p"], state["o"] = fn(state["p"], state["o"])
+
+    return call
+
+
+def _step_times(
+    work: models.Workload,
+    cap: float,
+    timing: dict[str, int],
+    floors: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """The five settings for one workload and bucket size, beside their floors, the flat
+    all-reduce and the ceiling.
+
+    ``floors``, the row of the same workload and batch at other buckets, gives those
+    figures, which do not depend on the buckets: they are not measured (nor compiled)
+    again.
+    """
+    torch._dynamo.reset()
+    batch = work.batch(dist.get_rank())
+    ms = lambda fn: cases.median_ms(fn, **timing)  # noqa: E731
+    out = {} if floors is None else {k: floors[k] for k in [*FLOORS, FLAT, CEILING]}
+    measure = floors is None
+
+    def module(name: str, model: torch.nn.Module, compiled: bool) -> None:
+        out[name] = ms(
+            _module_step(work, model, torch.compile(model) if compiled else model, batch)
+        )
+
+    def functional(name: str, sync: str | None, compiled: bool) -> Callable[[], None]:
+        step = _functional_step(work, batch, sync, cap)
+        call = _held(work, fsync.compile(step) if compiled else step)
+        out[name] = ms(call)
         return call
 
-    out["compute, functional eager"] = ms(run(functional(False)))
-    compute = run(fsync.compile(functional(False)))
-    out["compute, functional compiled"] = ms(compute)
-    out["fsync eager"] = ms(run(functional(True)))
-    out["fsync compiled"] = ms(run(fsync.compile(functional(True))))
+    if measure:
+        module("compute, module eager", copy.deepcopy(work.model), compiled=False)
+        module("compute, module compiled", copy.deepcopy(work.model), compiled=True)
+    module("DDP eager", DDP(copy.deepcopy(work.model), bucket_cap_mb=cap), compiled=False)
+    module("DDP compiled", DDP(copy.deepcopy(work.model), bucket_cap_mb=cap), compiled=True)
+    if measure:
+        functional("compute, functional eager", None, compiled=False)
+        compute = functional("compute, functional compiled", None, compiled=True)
+    functional(GAV, "grad_and_value", compiled=False)
+    functional(FUNC, "sync_grads", compiled=False)
+    functional("fsync compiled", "grad_and_value", compiled=True)
+    if measure:
+        flat = torch.cat([p.reshape(-1) for p in work.params().values()])
+        out[FLAT] = ms(lambda: dist.all_reduce(flat))
 
-    flat = torch.cat([p.reshape(-1) for p in params.values()])
-    out[FLAT] = ms(lambda: dist.all_reduce(flat))
+        def ceiling() -> None:  # the all-reduce in flight during the whole compiled step
+            work_ = dist.all_reduce(flat, async_op=True)
+            compute()
+            work_.wait()
 
-    def ceiling() -> None:  # the all-reduce in flight during the whole compiled step
-        work_ = dist.all_reduce(flat, async_op=True)
-        compute()
-        work_.wait()
-
-    out[CEILING] = ms(ceiling)
-    return out
+        out[CEILING] = ms(ceiling)
+    return {name: out[name] for name in [*SETTINGS, *FLOORS, FLAT, CEILING]}
 
 
 def _sync_alone(work: models.Workload, timing: dict[str, int]) -> dict[str, float]:
@@ -229,12 +307,23 @@ def _gpt_on_a_mesh(work: models.Workload, timing: dict[str, int]) -> dict[str, d
     return out
 
 
+def _runs(rate: str, smoke: bool) -> list[tuple[str, int]]:
+    """The (workload, batch) rows measured at ``rate`` with 4 MiB buckets."""
+    if smoke:  # each workload once, which is every code path, in the time CI has
+        return [("MLP", 256), ("deep MLP", 256), ("GPT", 64)]
+    runs = [("MLP", 256)]
+    if rate == "8gbit":
+        runs.append(("MLP", 64))
+    if rate in WORKLOAD_RATES:
+        runs += [(name, batch) for name in WORKLOADS for batch in BATCHES]
+    return runs
+
+
 def _worker(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=args.world)
     timing = _timing(args)
-    scale = 1 / 16 if args.smoke else 1.0
     if args.world == 4:
         gpt = models.gpt(n_layer=1, scale=1 / 8, vocab_size=256) if args.smoke else models.gpt()
         mesh_results = {"gpt on a mesh": _gpt_on_a_mesh(gpt, timing)}
@@ -243,16 +332,21 @@ def _worker(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
         dist.barrier()
         dist.destroy_process_group()
         return
-    results: dict[str, Any] = {
-        "batch 256": _step_times(models.mlp(batch=256, scale=scale), CAP_MB, timing)
-    }
+    results: dict[str, Any] = {}
+    for name, batch in _runs(args.child, args.smoke):
+        started = time.perf_counter()
+        work = workload(name, batch, args.smoke)
+        results[row_key(name, batch)] = _step_times(work, CAP_MB, timing)
+        if rank == 0:  # progress: the full run takes about half an hour
+            seconds = time.perf_counter() - started
+            print(f"link {args.child}: {row_key(name, batch)} ({seconds:.0f} s)", flush=True)
     if args.child == "8gbit" or args.smoke:
-        results["batch 64"] = _step_times(models.mlp(batch=64, scale=scale), CAP_MB, timing)
-        results["batch 256, 25 MiB buckets"] = _step_times(
-            models.mlp(batch=256, scale=scale), 25.0, timing
+        mlp = workload("MLP", 256, args.smoke)
+        results[row_key("MLP", 256, 25.0)] = _step_times(
+            mlp, 25.0, timing, floors=results[row_key("MLP", 256)]
         )
-        results["sync alone"] = _sync_alone(models.mlp(scale=scale), timing)
-        zero = cases.case_zero(models.mlp(scale=scale), **timing)
+        results["sync alone"] = _sync_alone(mlp, timing)
+        zero = cases.case_zero(workload("MLP", 64, args.smoke), **timing)
         results["zero"] = {name: row["ms"] for name, row in zero.items()}
     if rank == 0:
         pathlib.Path(out).write_text(json.dumps(results))
@@ -261,12 +355,14 @@ def _worker(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
 
 
 def child(args: argparse.Namespace) -> None:
-    """Measure at one rate (the namespace's loopback is already shaped)."""
+    """Measure at one rate (the namespace's loopback is already shaped); unshaped, the memory."""
     with tempfile.TemporaryDirectory(prefix="fsync-link-") as tmp:
         out = os.path.join(tmp, "results.json")
         init = os.path.join(tmp, "init")
         mp.spawn(_worker, args=(args, init, out), nprocs=args.world, join=True)
         results = json.loads(pathlib.Path(out).read_text())
+    if args.world == 2 and args.child == "unshaped":
+        results["memory"] = memory(args)
     assert args.json is not None
     args.json.write_text(json.dumps(results))
 
@@ -285,6 +381,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             command += ["--smoke"] if args.smoke else []
             if rate != "unshaped":
                 command = [str(args.slownet), "--rate", rate, "--", *map(str, command)]
+            started = time.perf_counter()
             done = subprocess.run(list(map(str, command)), cwd=ROOT, env=env)
             if done.returncode == 3:
                 raise SystemExit(
@@ -293,7 +390,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 )
             done.check_returncode()
             results[rate] = json.loads(path.read_text())
-            print(f"link {rate}: {results[rate]['batch 256']}", flush=True)
+            seconds = time.perf_counter() - started
+            mlp = results[rate][row_key("MLP", 256)]
+            print(f"link {rate} ({seconds:.0f} s): MLP, batch 256: {mlp}", flush=True)
             if rate == ("unshaped" if args.smoke else "8gbit"):  # the GPT on 4 ranks
                 mesh = pathlib.Path(tmp) / f"{rate}-mesh.json"
                 run4 = [str(c) for c in command]
@@ -303,230 +402,109 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def hidden(row: dict[str, float], setting: str) -> float:
-    """Share of the flat all-reduce a setting hides behind its own compute."""
-    return (row[SETTINGS[setting]] + row[FLAT] - row[setting]) / row[FLAT]
+# --- memory --------------------------------------------------------------------------------------
 
 
-# --- the report ----------------------------------------------------------------------------------
-
-TARGETS = (
-    ("fsync compiled <= 0.95x DDP eager, 8 Gbit/s, batch 256", "batch 256", "ratio", 0.95),
-    (
-        "fsync compiled hides >= 40% of the all-reduce, 8 Gbit/s, batch 256",
-        "batch 256",
-        "hidden",
-        0.40,
-    ),
-    ("fsync compiled <= 1.0x DDP eager, 8 Gbit/s, batch 64", "batch 64", "ratio", 1.0),
-)
+def _status_mib(field: str) -> float:
+    """``field`` of ``/proc/self/status`` (``VmRSS``: resident now, ``VmHWM``: its peak) in MiB."""
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/self/status has no {field} line")
 
 
-def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    """(target, measured, met) at 8 Gbit/s; ``None`` where that rate was not run."""
-    at = results.get("8gbit")
-    out: list[tuple[str, str, bool | None]] = []
-    for name, key, kind, bound in TARGETS:
-        if at is None or key not in at:
-            out.append((name, "not run", None))
-            continue
-        row = at[key]
-        if kind == "ratio":
-            value = row["fsync compiled"] / row["DDP eager"]
-            out.append((name, f"{value:.2f}x", value <= bound))
-        else:
-            value = hidden(row, "fsync compiled")
-            out.append((name, f"{value:.0%}", value >= bound))
-    if at is not None and "sync alone" in at:
-        sync = at["sync alone"]
-        value = sync["sync_grads compiled"] / sync[FLAT]
-        out.append(
-            (
-                "sync alone, compiled <= 1.05x the flat all-reduce, 8 Gbit/s",
-                f"{value:.2f}x",
-                value <= 1.05,
-            )
-        )
-    if at is not None and "zero" in at:
-        zero = at["zero"]
-        base = zero["ZeroRedundancyOptimizer + DDP"]
-        for name in ("fsync zero sharded", "fsync zero sharded, compiled"):
-            value = zero[name] / base
-            out.append(
-                (
-                    f"{name} ahead of ZeroRedundancyOptimizer + DDP, 8 Gbit/s",
-                    f"{value:.2f}x",
-                    value < 1.0,
-                )
-            )
+def _reset_peak() -> bool:
+    """Sets this process's peak RSS (``VmHWM``) to its RSS now; ``False`` where Linux refuses."""
+    try:
+        pathlib.Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _memory_step(work: models.Workload, setting: str) -> Callable[[], None]:
+    """One eager step of ``setting`` on ``work``'s own parameters, the only copy kept.
+
+    The module settings train the module with ``torch.optim.SGD``; the fsync ones
+    update the same tensors in place as ``torch.optim.SGD`` does on CPU
+    (``p.add_(g, alpha=-lr)``), so that the settings differ in their gradients and
+    sync alone (``fsync.optim.sgd``, being pure, would hold a second copy of the
+    parameters while it makes the new one).
+    """
+    batch = work.batch(dist.get_rank())
+    if setting in ("compute, module eager", "DDP eager"):
+        model = DDP(work.model, bucket_cap_mb=CAP_MB) if setting == "DDP eager" else work.model
+        return _module_step(work, model, model, batch)
+    params = {n: p.detach() for n, p in work.model.named_parameters()}
+    synced = fsync.grad(work.functional_loss, bucket_cap_mb=CAP_MB)
+
+    def gradients() -> dict[str, torch.Tensor]:
+        if setting == GAV:
+            return synced(params, batch)
+        grads = torch.func.grad(work.functional_loss)(params, batch)
+        return fsync.sync_grads(grads, bucket_cap_mb=CAP_MB)
+
+    def step() -> None:
+        grads = gradients()
+        with torch.no_grad():
+            for name, grad in grads.items():
+                params[name].add_(grad, alpha=-cases.LR)
+
+    return step
+
+
+def _memory_worker(
+    rank: int, name: str, setting: str, args: argparse.Namespace, init: str, out: str
+) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    work = workload(name, MEMORY_BATCH, args.smoke)
+    gc.collect()
+    built = _status_mib("VmRSS")
+    step = _memory_step(work, setting)
+    step()  # warm-up: DDP's bucket rebuild, fsync's plan, the allocator's first growth
+    warm = _status_mib("VmRSS")
+    reset = _reset_peak()
+    for _ in range(args.steps):
+        step()
+    peak = _status_mib("VmHWM")
+    if rank == 0:
+        row = {"built": built, "warm": warm, "peak": peak, "since start": float(not reset)}
+        pathlib.Path(out).write_text(json.dumps(row))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def memory(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
+    """Peak RSS of the eager step, per workload at batch 256 and setting, on rank 0.
+
+    Each setting runs in a fresh 2-rank world of its own, so that the process's
+    peak belongs to it alone: RSS once the model is built (``built``), after one
+    warm-up step (``warm``), and the peak over ``args.steps`` more (``peak``:
+    ``VmHWM``, reset after the warm-up through ``/proc/self/clear_refs``; where
+    Linux refuses the reset, ``since start`` is 1 and the peak is the process's).
+    The worlds run with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed (``ALLOCATOR``).
+    """
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    saved = {name: os.environ.get(name) for name in ALLOCATOR}
+    os.environ.update(ALLOCATOR)  # read by each spawned interpreter as it starts
+    try:
+        with tempfile.TemporaryDirectory(prefix="fsync-memory-") as tmp:
+            for name in WORKLOADS[:1] if args.smoke else WORKLOADS:  # smoke: 4 worlds, not 8
+                for k, setting in enumerate(MEMORY_SETTINGS):
+                    init, path = (os.path.join(tmp, f"{name}-{k}.{x}") for x in ("init", "json"))
+                    spawned = (name, setting, args, init, path)
+                    mp.spawn(_memory_worker, args=spawned, nprocs=2, join=True)
+                    row = json.loads(pathlib.Path(path).read_text())
+                    out.setdefault(name, {})[setting] = row
+                    print(f"memory: {name}, {setting}: peak {row['peak']:.0f} MiB", flush=True)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return out
-
-
-def _rate_table(results: dict[str, Any], key: str) -> list[list[str]]:
-    rates = [r for r in results if key in results[r]]
-    rows = []
-    for name in [*SETTINGS, *SETTINGS.values(), FLAT, CEILING]:
-        rows.append([name, *[report._ms(results[r][key][name]) for r in rates]])
-    for setting in SETTINGS:
-        rows.append(
-            [f"{setting}: share of the all-reduce hidden"]
-            + [f"{hidden(results[r][key], setting):.0%}" for r in rates]
-        )
-    return rows
-
-
-def _one_rate_table(row: dict[str, float]) -> list[list[str]]:
-    rows = [
-        [name, report._ms(row[name]), report._ratio(row[name] / row["DDP eager"])]
-        for name in [*SETTINGS, *SETTINGS.values(), FLAT, CEILING]
-    ]
-    rows += [
-        [f"{s}: share of the all-reduce hidden", f"{hidden(row, s):.0%}", ""] for s in SETTINGS
-    ]
-    return rows
-
-
-def plot(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
-    """One figure per question: step time against rate, and the share hidden."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rates = [r for r in results if "batch 256" in results[r]]
-    rows = [results[r]["batch 256"] for r in rates]
-    labels = ["unshaped" if r == "unshaped" else r.replace("gbit", " Gbit/s") for r in rates]
-    step = out / "benchmarks-link-step.png"
-    figure, ax = plt.subplots(figsize=(7.5, 4.8))
-    for setting in SETTINGS:
-        ax.plot(labels, [row[setting] for row in rows], "o-", label=setting)
-    ax.plot(
-        labels,
-        [row["compute, functional compiled"] for row in rows],
-        "k--",
-        label="compute alone (compiled)",
-    )
-    ax.plot(
-        labels,
-        [row["compute, functional compiled"] + row[FLAT] for row in rows],
-        "k:",
-        label="compiled compute + flat all-reduce, one after the other",
-    )
-    ax.plot(labels, [row[CEILING] for row in rows], "--", color="grey", label=CEILING)
-    ax.set_xlabel("link rate (loopback shaped by slownet)")
-    ax.set_ylabel("ms per training step (lower is better)")
-    ax.set_title("MLP 8.4M parameters, batch 256, 4 MiB buckets, 2 gloo ranks")
-    ax.legend(fontsize=8)
-    report._save(figure, step)
-    share = out / "benchmarks-link-hidden.png"
-    figure, ax = plt.subplots(figsize=(7.5, 4.2))
-    width = 0.8 / len(SETTINGS)
-    for k, setting in enumerate(SETTINGS):
-        ax.bar(
-            [i + k * width for i in range(len(rates))],
-            [100 * hidden(row, setting) for row in rows],
-            width,
-            label=setting,
-        )
-    ax.set_xticks([i + width * (len(SETTINGS) - 1) / 2 for i in range(len(rates))], labels)
-    ax.axhline(0, color="black", linewidth=0.8)
-    ax.axhline(
-        40, color="grey", linestyle="--", linewidth=0.8, label="target for fsync compiled: 40%"
-    )
-    ax.set_ylabel("% of the flat all-reduce hidden behind own compute")
-    ax.set_title("How much communication each step hides (higher is better)")
-    ax.legend(fontsize=8)
-    return [step, report._save(figure, share)]
-
-
-def _section(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
-    return [f"## {title}", "", report._markdown_table(["", *header], rows), ""]
-
-
-def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
-    """``benchmarks-link.md`` and its figures in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    figures = plot(results, out)
-    rates = [r for r in results if "batch 256" in results[r]]
-    parts = [
-        "# Benchmarks on a slow link",
-        "",
-        "Written by `python benchmarks/run.py --only link` (as root; see `benchmarks/link.py`). "
-        "Each rate ran in its own network namespace whose loopback was shaped by "
-        "`../shared/tools/slownet`; every figure is the median step on rank 0, every ratio "
-        "is between figures of the same rate's run. The share hidden is (own compute + flat "
-        "all-reduce - step) / flat all-reduce, with each setting's own compute: the module "
-        "rows for DDP, the functional rows for fsync.",
-        "",
-        *[f"![{f.stem}]({f.name})" for f in figures],
-        "",
-        "## Targets",
-        "",
-        report._markdown_table(
-            ["target", "measured", "met"],
-            [
-                [n, m, {True: "yes", False: "**no**", None: "-"}[ok]]
-                for n, m, ok in targets(results)
-            ],
-        ),
-        "",
-        "## Step time against link rate: MLP, batch 256, 4 MiB buckets (ms)",
-        "",
-        report._markdown_table(["", *rates], _rate_table(results, "batch 256")),
-        "",
-    ]
-    where = "8gbit" if "8gbit" in results else rates[0]
-    at, label = results[where], "8 Gbit/s" if where == "8gbit" else where
-    for key in ("batch 64", "batch 256, 25 MiB buckets"):
-        if key in at:
-            parts += [
-                f"## At {label}: MLP, {key}",
-                "",
-                report._markdown_table(["", "ms", "vs DDP eager"], _one_rate_table(at[key])),
-                "",
-            ]
-    if "sync alone" in at:
-        sync = at["sync alone"]
-        rows = [[n, report._ms(v), report._ratio(v / sync[FLAT])] for n, v in sync.items()]
-        parts += _section(
-            f"At {label}: the sync alone, MLP gradients", ["ms", "vs flat all-reduce"], rows
-        )
-    if "zero" in at:
-        zero = at["zero"]
-        base = zero["ZeroRedundancyOptimizer + DDP"]
-        rows = [[n, report._ms(v), report._ratio(v / base)] for n, v in zero.items()]
-        header = ["ms", "vs ZeroRedundancyOptimizer + DDP"]
-        parts += _section(f"At {label}: ZeRO, AdamW on the MLP, batch 64", header, rows)
-    if "gpt on a mesh" in at:
-        mesh = at["gpt on a mesh"]
-        ddp = mesh["DDP eager (all-reduce over all 4 ranks)"]
-        rows = [
-            [
-                n,
-                report._ms(r["ms"]),
-                report._ratio(r["ms"] / ddp["ms"]),
-                f"{r['bytes'] / 2**20:.2f}",
-                report._ratio(r["bytes"] / ddp["bytes"]),
-            ]
-            for n, r in mesh.items()
-        ]
-        parts += [
-            f"## At {label}: the GPT on 4 ranks as 2 nodes x 2 (DDP, hierarchical fsync, DiLoCo)",
-            "",
-            "Mean step over whole rounds of H = 8 steps. Cross-node MiB: what each rank hands "
-            "to collectives that cross nodes per step, from `fsync.sync_stats` (all of a flat "
-            "all-reduce's bytes count). The four ranks share one shaped loopback, so the "
-            "traffic within a node is as slow as across: the times show the cost of the "
-            "bytes, not the benefit of a fast link inside a node.",
-            "",
-            report._markdown_table(
-                ["", "ms per step", "vs DDP", "cross-node MiB per step", "vs DDP"], rows
-            ),
-            "",
-        ]
-    md = out / "benchmarks-link.md"
-    md.write_text("\n".join(parts))
-    return [md, *figures]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -534,8 +512,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args)
         return 0
+    from benchmarks import link_report
+
     results = measure(args)
-    paths = write(results, args.out)
+    paths = link_report.write(results, args.out)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

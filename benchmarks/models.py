@@ -1,4 +1,5 @@
-"""The benchmark workloads: an MLP of ~8M parameters and a small GPT of ~20M."""
+"""The benchmark workloads: two MLPs of ~8M parameters (3 wide layers, 8 narrow) and a small GPT
+of ~20M."""
 
 from __future__ import annotations
 
@@ -61,6 +62,29 @@ def mlp(width: int = 2048, depth: int = 3, batch: int = 64, scale: float = 1.0) 
         )
 
     return Workload("MLP", model, make_batch, nn.functional.mse_loss)
+
+
+def deep_mlp(width: int = 1024, depth: int = 8, batch: int = 64, scale: float = 1.0) -> Workload:
+    """``depth`` equal linear layers of ``width`` with GELU between them (8.4M parameters by
+    default), cross-entropy over ``width`` classes on random labels.
+
+    Many gradients of one bucket's size (4 MiB each by default), produced one after the
+    other by backward: the shape where starting each bucket's all-reduce as soon as
+    backward completes it pays.
+    """
+    torch.manual_seed(0)
+    width = int(width * scale)
+    layers: list[nn.Module] = [nn.Linear(width, width)]
+    for _ in range(depth - 1):
+        layers += [nn.GELU(), nn.Linear(width, width)]
+    model = nn.Sequential(*layers)
+
+    def make_batch(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+        return torch.randn(batch, width, generator=g), torch.randint(
+            0, width, (batch,), generator=g
+        )
+
+    return Workload("deep MLP", model, make_batch, nn.functional.cross_entropy)
 
 
 def gpt(

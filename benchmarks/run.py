@@ -71,9 +71,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _workloads(smoke: bool) -> list[models.Workload]:
+    """The MLP first (ZeRO's workload), the GPT last (the sync, hooks and anatomy cases')."""
     if smoke:
-        return [models.mlp(scale=1 / 16), models.gpt(n_layer=1, scale=1 / 8, vocab_size=256)]
-    return [models.mlp(), models.gpt()]
+        return [
+            models.mlp(scale=1 / 16),
+            models.deep_mlp(scale=1 / 16),
+            models.gpt(n_layer=1, scale=1 / 8, vocab_size=256),
+        ]
+    return [models.mlp(), models.deep_mlp(), models.gpt()]
 
 
 def _worker(rank: int, args: argparse.Namespace, init_file: str, result_file: str) -> None:

@@ -16,26 +16,36 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import report  # noqa: E402
+from benchmarks import link, link_report, report  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.timeout(600)
-def test_smoke_run_writes_every_section(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "benchmarks/run.py", "--smoke", "--leaves", "1,10", "--out", tmp_path],
+def _smoke(out: pathlib.Path, *args: str) -> None:
+    """``benchmarks/run.py --smoke`` into ``out``; each page in its own test and time limit."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/run.py", "--smoke", "--out", str(out), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=580,
     )
-    assert out.returncode == 0, out.stderr[-4000:]
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.mark.timeout(600)
+def test_smoke_run_writes_every_section(tmp_path):
+    _smoke(tmp_path, "--leaves", "1,10", "--only", "step,sync,leaves,hooks,zero,anatomy")
     md = (tmp_path / "benchmarks.md").read_text()
-    for section in ("Targets", "1. Step time, MLP", "1. Step time, GPT", "1b. Overlap", "2. Sync"):
+    for section in ("Targets", "1. Step time, MLP", "1. Step time, deep MLP", "1. Step time, GPT"):
+        assert f"## {section}" in md
+    for section in ("1b. Overlap", "2. Sync"):
         assert f"## {section}" in md
     for section in ("3. Leaf scaling", "4. Hooks", "5. ZeRO", "6. The compiled sync", "7. GPU"):
         assert f"## {section}" in md
     for row in (
         "fsync compiled + overlap",
+        "fsync eager, grad_and_value",
         "local functional eager (no sync)",
         "scaled copy + flat all-reduce (pure mean)",
         "ZeroRedundancyOptimizer + DDP",
@@ -43,19 +53,83 @@ def test_smoke_run_writes_every_section(tmp_path):
     ):
         assert f"| {row} |" in md
     assert "pack + unpack kernels per bucket <= 2 (cpu)" in md
-    for png in ("step", "leaves", "hooks", "link-step", "link-hidden"):
-        assert (tmp_path / f"benchmarks-{png}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # The slow-link page (smoke: the unshaped loopback only, so no root is needed).
-    link = (tmp_path / "benchmarks-link.md").read_text()
+    for png in ("step", "leaves", "hooks"):
+        assert (tmp_path / f"benchmarks-{png}.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.timeout(600)
+def test_smoke_run_writes_the_slow_link_page(tmp_path):
+    # Smoke: the unshaped loopback only, so no root is needed.
+    _smoke(tmp_path, "--only", "link")
+    md = (tmp_path / "benchmarks-link.md").read_text()
     for section in (
         "Targets",
         "Step time against link rate",
         "the sync alone",
         "ZeRO",
         "GPT on 4 ranks",
+        "Every workload: step time relative to DDP eager",
+        "deep MLP: step time at batch 64 and 256",
+        "GPT: step time at batch 64 and 256",
+        "Memory: peak RSS of the eager step",
     ):
-        assert section in link, section
-    assert "| fsync compiled: share of the all-reduce hidden |" in link
+        assert section in md, section
+    for setting in link.SETTINGS:
+        assert f"| {setting}: share of the all-reduce hidden |" in md
+    for row in ("deep MLP, batch 256, unshaped", "GPT, batch 64, unshaped"):
+        assert f"| {row} |" in md
+    for row in ("deep MLP: DDP eager", "deep MLP: fsync eager, grad_and_value"):
+        assert f"| {row} |" in md
+    assert "| GPT, batch 256: grad_and_value eager <= 1.05x DDP eager, unshaped | not run |" in md
+    memory = "deep MLP, batch 256: grad_and_value eager's peak RSS <= DDP eager's + one bucket"
+    assert memory in md
+    for png in ("step", "hidden", "workloads", "workloads-hidden", "memory"):
+        assert (tmp_path / f"benchmarks-link-{png}.png").read_bytes()[:8] == PNG
+
+
+def _link_row(**settings: float) -> dict[str, float]:
+    """A slow-link row: 100 ms of compute for every floor, a 50 ms all-reduce, ``settings``."""
+    row = dict.fromkeys(link.FLOORS, 100.0)
+    return {**row, link.FLAT: 50.0, link.CEILING: 120.0, **settings}
+
+
+def test_link_targets_read_the_right_rows():
+    gpt = _link_row(**{"DDP eager": 130.0, link.GAV: 126.0, "fsync compiled": 120.0})
+    deep = _link_row(**{"DDP eager": 120.0, link.GAV: 125.0, "fsync compiled": 117.0})
+    peaks = {"DDP eager": 600.0, link.GAV: 603.0}
+    results = {
+        "8gbit": {"GPT, batch 256": gpt, "deep MLP, batch 64": deep},
+        "unshaped": {
+            "GPT, batch 256": gpt,
+            "memory": {"GPT": {s: {"built": 500.0, "peak": v} for s, v in peaks.items()}},
+        },
+    }
+    got = {name: (measured, met) for name, measured, met in link_report.targets(results)}
+    # DDP hides (100 + 50 - 130) / 50 = 40%, grad_and_value (100 + 50 - 126) / 50 = 48%.
+    assert got["GPT, batch 256: grad_and_value eager <= 1.00x DDP eager, 8 Gbit/s"] == (
+        "0.97x",
+        True,
+    )
+    assert got["GPT, batch 256: grad_and_value eager hides >= DDP eager's share, 8 Gbit/s"] == (
+        "48% vs 40%",
+        True,
+    )
+    assert got["GPT, batch 256: fsync compiled <= 0.90x DDP eager, 8 Gbit/s"] == ("0.92x", False)
+    assert got["deep MLP, batch 64: grad_and_value eager hides >= DDP eager's share, 8 Gbit/s"] == (
+        "50% vs 60%",
+        False,
+    )
+    assert got["deep MLP, batch 64: fsync compiled <= 1.00x DDP eager, 8 Gbit/s"] == ("0.97x", True)
+    assert got["GPT, batch 256: grad_and_value eager <= 1.05x DDP eager, unshaped"] == (
+        "0.97x",
+        True,
+    )
+    assert got["GPT, batch 64: grad_and_value eager <= 1.00x DDP eager, 8 Gbit/s"] == (
+        "not run",
+        None,
+    )
+    memory = "GPT, batch 256: grad_and_value eager's peak RSS <= DDP eager's + one bucket (4 MiB)"
+    assert got[memory] == ("+3.0 MiB (+0.75 buckets)", True)
 
 
 def test_targets_are_ratios_of_the_right_figures():
