@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fsync import _checks, _comm, _tree
+from fsync import _checks, _comm
 from fsync._agree import Agreed, Agreement, begin, refuse
 from fsync._hook import Hook, SyncContext, hook_spec
 from fsync._options import SyncOptions
@@ -55,11 +55,13 @@ from fsync._plan import BucketPlan, LeafLayout
 from fsync._planner import PLAN_CACHE_SIZE
 from fsync._reduce import (
     DEFAULT_HOOK,
+    Pipeline,
     Reduced,
     alone,
     context,
     finish_bucket,
     hook_of,
+    pipelined,
     reduce_started,
     start_bucket,
     start_within,
@@ -235,7 +237,10 @@ class Reducer:
     """What happens to one gradient call's buckets: the reduce's stages, bucket by bucket.
 
     ``start(k, buffer)`` runs on the bucket thread for each complete bucket in
-    plan order; ``finish(buffers)`` runs on the caller's thread after it.
+    plan order; ``finish()`` runs on the caller's thread after it. A bucketwise
+    hook starts each bucket whole over a flat group, or pushes it into the
+    hierarchical ``Pipeline`` on a 2-D mesh; another hook waits for every bucket
+    (on a mesh, each reduce-scattered within the node as it completes).
     """
 
     def __init__(
@@ -248,23 +253,26 @@ class Reducer:
     ) -> None:
         self._plan, self._hook, self._state, self._group = plan, hook, hook_state, group
         self._agreement = agreement
-        self._per_bucket = hook.bucketwise and not optree.tree_leaves(
-            hook_state, namespace=_tree.NAMESPACE
-        )
+        self._per_bucket = pipelined(hook, hook_state)
         self._agreed: Agreed | None = None
         self._ctx: SyncContext | None = None
+        self._pipeline: Pipeline | None = None
         self._started: list[torch.Tensor] = []
 
     def _context(self) -> tuple[Agreed, SyncContext]:
         if self._agreed is None or self._ctx is None:
             self._agreed = self._agreement.conclude()
             self._ctx = context(self._plan, self._group, self._agreed.divisor)
+            if self._per_bucket and _comm.hierarchy(self._group) is not None:
+                self._pipeline = Pipeline(self._hook, self._state, self._ctx)
         return self._agreed, self._ctx
 
     def start(self, k: int, buffer: torch.Tensor) -> None:
         """Bucket ``k`` is complete: start what can start (the agreement first)."""
         _, ctx = self._context()
-        if self._per_bucket:
+        if self._pipeline is not None:
+            self._pipeline.push(start_within(buffer, self._group))
+        elif self._per_bucket:
             self._started.append(start_bucket(buffer, self._hook, self._state, alone(ctx, k)))
         else:
             self._started.append(start_within(buffer, self._group))
@@ -272,6 +280,8 @@ class Reducer:
     def finish(self) -> Reduced:
         """Every bucket reduced: waited for, or, for a hook that is not bucketwise, run now."""
         agreed, ctx = self._context()
+        if self._pipeline is not None:
+            return Reduced(self._pipeline.drain(), agreed.used, self._state)
         if self._per_bucket:
             out = [finish_bucket(p, alone(ctx, k)) for k, p in enumerate(self._started)]
             return Reduced(out, agreed.used, self._state)

@@ -359,28 +359,20 @@ def alone(ctx: SyncContext, k: int) -> SyncContext:
 
 
 def start_bucket(buffer: torch.Tensor, hook: Hook, state: Any, ctx: SyncContext) -> torch.Tensor:
-    """One complete dense bucket through a bucketwise hook: issued, its result maybe in flight.
+    """One complete dense bucket through a bucketwise hook over a flat group: issued, its
+    result maybe in flight (``finish_bucket`` waits for it).
 
     ``ctx.buckets`` names the bucket alone (``alone(ctx, k)``); ``state`` is the
-    hook's (which holds no tensors: it is the same for every bucket). On a 2-D mesh the
-    bucket is reduce-scattered within the node, its shard goes through the hook
-    across nodes, and the all-gather within the node is issued; ``finish_bucket``
-    waits for the result.
+    hook's (which holds no tensors: it is the same for every bucket). On a 2-D
+    mesh buckets go through a ``Pipeline`` instead.
     """
-    if _comm.hierarchy(ctx.group) is None:
-        out, _ = start_hook([buffer], hook, state, ctx)
-        return out[0]
-    across, within = _levels(ctx.group)
-    shards = reduce_within([buffer], within)
-    out, _ = reduce_across(shards, hook, state, ctx, across, within)
-    return _comm.all_gather(out[0], within)
+    out, _ = start_hook([buffer], hook, state, ctx)
+    return out[0]
 
 
 def finish_bucket(pending: torch.Tensor, ctx: SyncContext) -> torch.Tensor:
     """The reduced buffer of a bucket that ``start_bucket`` started, waited for and checked."""
-    if _comm.hierarchy(ctx.group) is None:
-        return finish_hook([pending], ctx)[0]
-    return _comm.wait(pending, functools.partial(_stage, ctx, 0, _GATHER))[: ctx.buckets[0].numel]
+    return finish_hook([pending], ctx)[0]
 
 
 def start_within(buffer: torch.Tensor, group: _comm.Group) -> torch.Tensor:
@@ -394,13 +386,83 @@ def start_within(buffer: torch.Tensor, group: _comm.Group) -> torch.Tensor:
     return _comm.reduce_scatter(_pack.pad_to_shards(buffer, _comm.size(within)), "sum", within)
 
 
+class Pipeline:
+    """A hierarchical reduce through a bucketwise hook, bucket by bucket, its stages overlapping.
+
+    Each bucket is reduce-scattered within the node, its shard goes through the
+    hook across nodes, and the shards are all-gathered within the node. Done in
+    three rounds over all buckets, the cable idles while the node works and the
+    other way round. Here pushing bucket ``k`` (its reduce-scatter in flight, or
+    a shard already reduced within the node) starts bucket ``k - 1`` across nodes
+    (its reduce-scatter waited for) and gathers bucket ``k - 2`` (its crossing
+    waited for): while one bucket crosses, the next is reduce-scattered and the
+    one before gathered, the two kinds of link busy at once. ``drain`` finishes
+    the last two and returns every bucket whole. Every rank pushes the buckets in
+    the plan's order, so every rank issues the same collectives in the same order
+    on each group.
+    """
+
+    def __init__(self, hook: Hook, state: Any, ctx: SyncContext) -> None:
+        across, within = _levels(ctx.group)
+        assert within is not None, "a pipeline is for a 2-D mesh"
+        self._hook, self._state, self._ctx, self._within = hook, state, ctx, within
+        self._cross = cross_context(ctx, across, within)
+        self._started: list[torch.Tensor] = []
+        self._crossing: list[torch.Tensor] = []
+        self._gathering: list[torch.Tensor] = []
+
+    def push(self, started: torch.Tensor) -> None:
+        """The next bucket, in plan order: its shard, reduced within the node or on its way."""
+        self._started.append(started)
+        k = len(self._started) - 1
+        if k >= 1:
+            self._start_crossing(k - 1)
+        if k >= 2:
+            self._start_gathering(k - 2)
+
+    def drain(self) -> list[torch.Tensor]:
+        """Every pushed bucket, reduced and whole (its padding cut)."""
+        n = len(self._started)
+        for k in range(len(self._crossing), n):
+            self._start_crossing(k)
+        for k in range(len(self._gathering), n):
+            self._start_gathering(k)
+        return [
+            _comm.wait(g, functools.partial(_stage, self._ctx, k, _GATHER))[: spec.numel]
+            for k, (g, spec) in enumerate(zip(self._gathering, self._ctx.buckets, strict=True))
+        ]
+
+    def _start_crossing(self, k: int) -> None:
+        shard = _comm.wait(self._started[k], functools.partial(_stage, self._ctx, k, _WITHIN))
+        out, _ = start_hook([shard], self._hook, self._state, alone(self._cross, k))
+        self._crossing.append(out[0])
+
+    def _start_gathering(self, k: int) -> None:
+        crossed = finish_hook([self._crossing[k]], alone(self._cross, k), " across nodes")[0]
+        self._gathering.append(_comm.all_gather(crossed, self._within))
+
+
+def pipelined(hook: Hook, state: Any) -> bool:
+    """Whether a hierarchical reduce through ``hook`` can go bucket by bucket (``Pipeline``)."""
+    return hook.bucketwise and not optree.tree_leaves(state, namespace=_tree.NAMESPACE)
+
+
 def reduce_started(
     started: list[torch.Tensor], hook: Hook, state: Any, ctx: SyncContext
 ) -> tuple[list[torch.Tensor], Any]:
-    """``reduce_dense`` for buckets whose within-node part ``start_within`` already issued."""
+    """``reduce_dense`` for buckets whose within-node part ``start_within`` already issued.
+
+    On a 2-D mesh a bucketwise hook goes through a ``Pipeline``; another (PowerSGD)
+    runs across nodes on every shard at once, between the within-node stages.
+    """
     across, within = _levels(ctx.group)
     if within is None:
         return apply_hook(started, hook, state, ctx)
+    if pipelined(hook, state):
+        pipeline = Pipeline(hook, state, ctx)
+        for pending in started:
+            pipeline.push(pending)
+        return pipeline.drain(), state
     shards = [_comm.wait(s, _WITHIN) for s in started]
     out, state = reduce_across(shards, hook, state, ctx, across, within)
     return gather_within(out, ctx.buckets, within), state
@@ -510,6 +572,11 @@ def reduce_finish(
     ctx = context(plan, group, agreed.divisor)
     ctx = ctx._replace(divisor=micro.clamp(min=1) * agreed.divisor, owned=False)
     across, within = _levels(group)
+    if within is not None and pipelined(hook, hook_state):
+        pipeline = Pipeline(hook, hook_state, ctx)
+        for shard in held:  # reduced within the node already, by each add
+            pipeline.push(shard)
+        return Reduced(pipeline.drain(), agreed.used, hook_state)
     out, hook_state = reduce_across(held, hook, hook_state, ctx, across, within)
     return Reduced(gather_within(out, ctx.buckets, within), agreed.used, hook_state)
 

@@ -243,6 +243,35 @@ def test_cross_node_bytes_are_one_local_th_of_ddps():
         assert mesh.control == ddp.control == (fsync._comm.Collective(*AGREEMENT, True),)
 
 
+def test_buckets_cross_nodes_while_others_are_reduced_within():
+    """The stages overlap: bucket k crosses while k + 1 is reduce-scattered and k - 1 gathered.
+
+    The recorded order of the collectives is what every rank issues (sync_stats runs
+    the reduce itself over a recording group): every reduce-scatter first (each starts
+    as soon as its bucket is packed), then each bucket's crossing, the gather of the
+    bucket before the previous one following every new crossing; a bucket's gather is
+    never issued before its own crossing. A deferred finish crosses its held shards so.
+    """
+    tree = {
+        "a": torch.zeros(1000),
+        "b": torch.zeros(1000),
+        "c": torch.zeros(1000),
+        "d": torch.zeros(1000),
+    }
+    options = {"bucket_cap_mb": 0.003, "first_bucket_mb": 0.003}  # a bucket per leaf
+    stats = fsync.sync_stats(tree, world_size=(2, 2), **options)
+    assert stats.buckets == 4
+    within, crossed, gathered = ("reduce_scatter", 1), ("all_reduce", 0), ("all_gather", 1)
+    order = [(c.op, c.dim) for c in stats.collectives]
+    assert (
+        order
+        == [within] * 4 + [crossed, crossed, gathered, crossed, gathered, crossed] + [gathered] * 2
+    ), order
+    deferred = fsync.sync_stats(tree, world_size=(2, 2), micro_batches=2, **options)
+    finish = [(c.op, c.dim) for c in deferred.collectives][8:]  # after the 2 x 4 adds
+    assert finish == [crossed, crossed, gathered, crossed, gathered, crossed] + [gathered] * 2
+
+
 def test_cross_node_bytes_of_odd_buckets_are_their_padded_shards():
     tree = {"a": torch.zeros(7, 5), "b": torch.zeros(3)}
     plan = fsync.plan_buckets(tree, bucket_cap_mb=0.0001, first_bucket_mb=0.0001)
