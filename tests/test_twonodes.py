@@ -24,14 +24,17 @@ import pytest
 ROOT = pathlib.Path(__file__).parents[1]
 TWONODES = ROOT.parent / "shared" / "tools" / "twonodes"
 RUN_TIMEOUT = 150  # seconds for one two-node launch (about 15 s eager on 2 loaded cores)
-# The launch of docs/torchrun.md, "Two machines": every node runs the same line.
-TORCHRUN = (
-    "{python} -m torch.distributed.run --nnodes 2 --node-rank $NODE_RANK --nproc-per-node 2 "
-    "--master-addr $MASTER_ADDR --master-port 29500"
+RATE = "1gbit"
+# torchrun's options on every node (bash expands the variables twonodes sets), and the main
+# job's: the launch docs/torchrun.md shows, "Two machines".
+LAUNCH = (
+    "--nnodes 2 --node-rank $NODE_RANK --nproc-per-node 2 --master-addr $MASTER_ADDR "
+    "--master-port 29500"
 )
+MAIN_JOB = ("examples/train.py", "--mesh", "2x2", "--steps", "20", "--no-compile")
 
 
-def twonodes(script: str, *args: str, rate: str = "1gbit") -> tuple[int, str]:
+def twonodes(script: str, *args: str, rate: str = RATE) -> tuple[int, str]:
     """Runs ``script`` on 2 nodes x 2 ranks; returns (exit status, stdout + stderr).
 
     Skips the test where ``twonodes`` is missing or cannot make its namespaces.
@@ -43,8 +46,8 @@ def twonodes(script: str, *args: str, rate: str = "1gbit") -> tuple[int, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
-    command = TORCHRUN.format(python=shlex.quote(sys.executable))
-    command += " " + " ".join(shlex.quote(a) for a in (script, *args))
+    torchrun = f"{shlex.quote(sys.executable)} -m torch.distributed.run {LAUNCH}"
+    command = " ".join([torchrun, *(shlex.quote(a) for a in (script, *args))])
     # A session of its own, so that a timeout reaches torchrun on both nodes; they stop
     # their workers (each in a session of its own) on SIGTERM, and twonodes its namespaces.
     proc = subprocess.Popen(
@@ -73,7 +76,7 @@ def twonodes(script: str, *args: str, rate: str = "1gbit") -> tuple[int, str]:
 
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_main_job_on_two_nodes_ends_with_identical_parameters():
-    code, out = twonodes("examples/train.py", "--mesh", "2x2", "--steps", "20", "--no-compile")
+    code, out = twonodes(*MAIN_JOB)
     assert code == 0, out[-4000:]
     assert "4 ranks on gloo as a 2 x 2 mesh (node, local)" in out, out[-4000:]
     loss = re.search(r"^loss ([\d.]+) -> ([\d.]+) in 20 steps", out, flags=re.M)
@@ -95,3 +98,8 @@ def test_a_tree_that_differs_on_node_1_is_the_same_error_on_all_four_ranks():
     assert "leaf 'layer.weight'" in message, message  # the first differing leaf,
     assert "on rank 3" in message, message  # and the rank of node 1 that differs
     assert (said["2"], said["3"]) == (message, message)  # node 1 too, the odd rank included
+
+
+def test_the_docs_show_the_launch_tested_here():
+    line = f"twonodes --rate {RATE} -- 'torchrun {LAUNCH} {' '.join(MAIN_JOB)}'"
+    assert line in (ROOT / "docs" / "torchrun.md").read_text()
