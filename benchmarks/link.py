@@ -47,7 +47,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -59,7 +58,6 @@ from benchmarks import cases, models  # noqa: E402
 RATES = ("unshaped", "16gbit", "8gbit", "4gbit")
 SLOWNET = ROOT.parent / "shared" / "tools" / "slownet"
 CAP_MB = 4.0
-INNER_STEPS = 8  # DiLoCo's H in the mesh rows
 # The MLP runs at batch 256 at every rate; these beside it, at these batches and rates.
 WORKLOADS = ("deep MLP", "GPT")
 BATCHES = (64, 256)
@@ -98,7 +96,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs")
     parser.add_argument("--json", type=pathlib.Path, help="child: where to write its results")
-    parser.add_argument("--world", type=int, default=2, help="child: 2 ranks, or 4 for the mesh")
     return parser.parse_args(argv)
 
 
@@ -234,79 +231,6 @@ def _sync_alone(work: models.Workload, timing: dict[str, int]) -> dict[str, floa
     }
 
 
-def _gpt_on_a_mesh(work: models.Workload, timing: dict[str, int]) -> dict[str, dict[str, float]]:
-    """The GPT on 4 ranks as 2 nodes x 2: DDP, hierarchical fsync and DiLoCo (H = 8, bf16).
-
-    Step times are means over whole rounds of ``H`` steps (DiLoCo syncs once per
-    round); cross-node bytes per step are what each rank hands to collectives
-    that cross nodes, from [fsync.sync_stats][] (a flat all-reduce's bytes all
-    count: its ring crosses the node boundary).
-    """
-    torch._dynamo.reset()
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
-    batch = work.batch(rank)
-    params = work.params()
-    out: dict[str, dict[str, float]] = {}
-    rounds = max(2, timing["steps"] // INNER_STEPS)
-
-    def mean_ms(step: Callable[[], None]) -> float:
-        for _ in range(INNER_STEPS):  # warm-up: compiles, and one sync for DiLoCo
-            step()
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(rounds * INNER_STEPS):
-            step()
-        return 1000 * (time.perf_counter() - start) / (rounds * INNER_STEPS)
-
-    ddp = DDP(copy.deepcopy(work.model))
-    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=cases.LR)
-
-    def ddp_step() -> None:
-        ddp_opt.zero_grad(set_to_none=True)
-        work.loss(ddp, batch).backward()
-        ddp_opt.step()
-
-    optimizer = fsync.optim.sgd(cases.LR)
-
-    def functional(group: Any) -> Callable[..., Any]:
-        def step(params: dict[str, torch.Tensor], state: Any) -> Any:
-            grads = torch.func.grad(work.functional_loss)(params, batch)
-            if group is not None:
-                grads = fsync.sync_grads(grads, group=group)
-            return optimizer.update(params, grads, state)
-
-        return step
-
-    held = {"p": params, "o": optimizer.init(params)}
-
-    def hierarchical() -> None:
-        held["p"], held["o"] = synced(held["p"], held["o"])
-
-    synced = fsync.compile(functional(mesh))
-    local = fsync.compile(functional(None))
-    dl = fsync.diloco(INNER_STEPS, group=mesh, hook=fsync.ops.bf16_compress())
-    outer = {"p": params, "o": optimizer.init(params), "d": dl.init(params)}
-
-    def diloco_step() -> None:
-        outer["p"], outer["o"] = local(outer["p"], outer["o"])
-        outer["p"], outer["d"] = dl.update(outer["p"], outer["d"])
-
-    flat = fsync.sync_stats(params, world_size=4).bytes_on_wire
-    tiered = fsync.sync_stats(params, world_size=(2, 2)).bytes_on(0)
-    bf16 = fsync.sync_stats(params, world_size=(2, 2), hook=fsync.ops.bf16_compress()).bytes_on(0)
-    out["DDP eager (all-reduce over all 4 ranks)"] = {"ms": mean_ms(ddp_step), "bytes": flat}
-    out["fsync compiled, hierarchical on the 2 x 2 mesh"] = {
-        "ms": mean_ms(hierarchical),
-        "bytes": tiered,
-    }
-    out[f"fsync.diloco, H = {INNER_STEPS}, bf16, hierarchical"] = {
-        "ms": mean_ms(diloco_step),
-        "bytes": bf16 / INNER_STEPS,
-    }
-    return out
-
-
 def _runs(rate: str, smoke: bool) -> list[tuple[str, int]]:
     """The (workload, batch) rows measured at ``rate`` with 4 MiB buckets."""
     if smoke:  # each workload once, which is every code path, in the time CI has
@@ -322,16 +246,8 @@ def _runs(rate: str, smoke: bool) -> list[tuple[str, int]]:
 def _worker(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=args.world)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     timing = _timing(args)
-    if args.world == 4:
-        gpt = models.gpt(n_layer=1, scale=1 / 8, vocab_size=256) if args.smoke else models.gpt()
-        mesh_results = {"gpt on a mesh": _gpt_on_a_mesh(gpt, timing)}
-        if rank == 0:
-            pathlib.Path(out).write_text(json.dumps(mesh_results))
-        dist.barrier()
-        dist.destroy_process_group()
-        return
     results: dict[str, Any] = {}
     for name, batch in _runs(args.child, args.smoke):
         started = time.perf_counter()
@@ -359,9 +275,9 @@ def child(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="fsync-link-") as tmp:
         out = os.path.join(tmp, "results.json")
         init = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(args, init, out), nprocs=args.world, join=True)
+        mp.spawn(_worker, args=(args, init, out), nprocs=2, join=True)
         results = json.loads(pathlib.Path(out).read_text())
-    if args.world == 2 and args.child == "unshaped":
+    if args.child == "unshaped":
         results["memory"] = memory(args)
     assert args.json is not None
     args.json.write_text(json.dumps(results))
@@ -393,12 +309,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             seconds = time.perf_counter() - started
             mlp = results[rate][row_key("MLP", 256)]
             print(f"link {rate} ({seconds:.0f} s): MLP, batch 256: {mlp}", flush=True)
-            if rate == ("unshaped" if args.smoke else "8gbit"):  # the GPT on 4 ranks
-                mesh = pathlib.Path(tmp) / f"{rate}-mesh.json"
-                run4 = [str(c) for c in command]
-                run4[run4.index(str(path))] = str(mesh)
-                subprocess.run([*run4, "--world", "4"], cwd=ROOT, env=env).check_returncode()
-                results[rate].update(json.loads(mesh.read_text()))
     return results
 
 

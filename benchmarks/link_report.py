@@ -296,8 +296,16 @@ def _plot_rates(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path
 COLORS = {setting: f"C{i}" for i, setting in enumerate(SETTINGS)}
 
 
-def _bars(ax: Any, groups: list[str], settings: list[str], values: Any) -> None:
-    """Grouped bars: one group per ``groups`` entry, one bar per setting, ``values(g, s)``."""
+def _bars(
+    ax: Any,
+    groups: list[str],
+    settings: list[str],
+    values: Any,
+    colors: dict[str, str] | None = None,
+) -> None:
+    """Grouped bars: one group per ``groups`` entry, one bar per setting, ``values(g, s)``,
+    coloured by ``colors`` (default: this page's settings), grey where it names none."""
+    colors = COLORS if colors is None else colors
     width = 0.8 / len(settings)
     for k, setting in enumerate(settings):
         ax.bar(
@@ -305,7 +313,7 @@ def _bars(ax: Any, groups: list[str], settings: list[str], values: Any) -> None:
             [values(g, setting) for g in groups],
             width,
             label=setting,
-            color=COLORS.get(setting, "grey"),
+            color=colors.get(setting, "grey"),
         )
     ax.set_xticks(
         [i + width * (len(settings) - 1) / 2 for i in range(len(groups))],
@@ -516,33 +524,6 @@ def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
         rows = [[n, report._ms(v), report._ratio(v / base)] for n, v in zero.items()]
         header = ["ms", "vs ZeroRedundancyOptimizer + DDP"]
         parts += _section(f"At {label}: ZeRO, AdamW on the MLP, batch 64", header, rows)
-    if "gpt on a mesh" in at:
-        mesh = at["gpt on a mesh"]
-        ddp = mesh["DDP eager (all-reduce over all 4 ranks)"]
-        rows = [
-            [
-                n,
-                report._ms(r["ms"]),
-                report._ratio(r["ms"] / ddp["ms"]),
-                f"{r['bytes'] / 2**20:.2f}",
-                report._ratio(r["bytes"] / ddp["bytes"]),
-            ]
-            for n, r in mesh.items()
-        ]
-        parts += [
-            f"## At {label}: the GPT on 4 ranks as 2 nodes x 2 (DDP, hierarchical fsync, DiLoCo)",
-            "",
-            "Mean step over whole rounds of H = 8 steps. Cross-node MiB: what each rank hands "
-            "to collectives that cross nodes per step, from `fsync.sync_stats` (all of a flat "
-            "all-reduce's bytes count). The four ranks share one shaped loopback, so the "
-            "traffic within a node is as slow as across: the times show the cost of the "
-            "bytes, not the benefit of a fast link inside a node.",
-            "",
-            report._markdown_table(
-                ["", "ms per step", "vs DDP", "cross-node MiB per step", "vs DDP"], rows
-            ),
-            "",
-        ]
     md = out / "benchmarks-link.md"
     md.write_text("\n".join(parts))
     return [md, *figures]

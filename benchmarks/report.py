@@ -312,7 +312,9 @@ def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
         *[f"![{png.stem}]({png.name})" for png in pngs],
         "",
         "Communication on a link slower than compute (overlap, ZeRO at 8 Gbit/s): "
-        "[benchmarks on a slow link](benchmarks-link.md), from `--only link`.",
+        "[benchmarks on a slow link](benchmarks-link.md), from `--only link`; the hierarchical "
+        "mean on two nodes joined by a slower cable: [benchmarks on two nodes]"
+        "(benchmarks-twonodes.md), from `--only twonodes`.",
         "",
         READING,
         "",

@@ -4,7 +4,10 @@ Starts a gloo world of ``--world-size`` CPU processes (2 by default), runs every
 in :mod:`benchmarks.cases`, prints the tables, and writes ``docs/benchmarks.md`` and
 ``docs/benchmarks.png``. ``--smoke`` runs tiny sizes and few steps (what CI runs);
 ``--only`` picks cases. Each figure is a median over steps after warm-up, and every
-comparison is a ratio of figures taken in this run.
+comparison is a ratio of figures taken in this run. Two cases have pages and processes of
+their own: ``link`` (:mod:`benchmarks.link`, a loopback shaped to a rate) and ``twonodes``
+(:mod:`benchmarks.twonodes`, two network namespaces joined by a shaped cable, 2 nodes x 2
+ranks); both need root, and ``twonodes`` is skipped, saying so, where it cannot run.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import fsync  # noqa: E402
-from benchmarks import cases, link, models  # noqa: E402
+from benchmarks import cases, link, models, twonodes  # noqa: E402
 
-CASES = ("step", "sync", "leaves", "hooks", "zero", "anatomy", "link")
+CASES = ("step", "sync", "leaves", "hooks", "zero", "anatomy", "link", "twonodes")
 # What runs on a GPU: the other cases compare with DDP on CPU processes.
 CUDA_CASES = ("anatomy",)
 
@@ -183,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from benchmarks import report
 
-    shaped = "link" in args.only  # its own page, each rate in its own process
-    args.only = [c for c in args.only if c != "link"]
+    # Their own pages, each rate in its own processes.
+    shaped, nodes = "link" in args.only, "twonodes" in args.only
+    args.only = [c for c in args.only if c not in ("link", "twonodes")]
     if args.only:
         results = run(args)
         report.print_tables(results)
@@ -195,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         link_args = ["--out", str(args.out), *(["--smoke"] if args.smoke else [])]
         link_args += [f"--steps={args.steps}", f"--warmup={args.warmup}"] if args.smoke else []
         link.main(link_args)
+    if nodes and args.device == "cpu":
+        nodes_args = ["--out", str(args.out), *(["--smoke"] if args.smoke else [])]
+        nodes_args += [f"--steps={args.steps}", f"--warmup={args.warmup}"] if args.smoke else []
+        twonodes.main(nodes_args)  # says so and skips where twonodes cannot make two nodes
     return 0
 
 

@@ -5,14 +5,25 @@ Run with two CPU processes on gloo:
     torchrun --standalone --nproc-per-node 2 examples/train.py
     torchrun --standalone --nproc-per-node 2 examples/train.py --hook powersgd --powersgd-rank 4
 
+and on two machines of two processes each, as a 2 x 2 mesh: on each machine, with
+``--node-rank`` 0 on the first and 1 on the second (``docs/torchrun.md`` shows how to
+try it on one machine with ``twonodes``):
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-addr node0.example \\
+        --master-port 29500 examples/train.py --mesh 2x2
+
 Each rank trains the same MLP on its own shard of a synthetic regression task
 (a fixed random "teacher" network), syncing gradients inside one compiled
 function (forward, backward, sync, ``fsync.optim.adam`` update): the gradient
 call is ``fsync.grad_and_value`` for stateless hooks, ``GradSync.grad_and_value``
-with its state for PowerSGD. With ``--no-compile`` the same step runs eagerly, each
-bucket's all-reduce starting as backward completes it. It prints the bucket plan,
-shows progress and loss, reports the loss on held-out data, and ends by checking
-that every rank holds bit-identical parameters. ``--device cuda`` runs it on GPUs
+with its state for PowerSGD. With ``--mesh NODESxLOCAL`` the ranks form a
+``DeviceMesh`` of NODES x LOCAL (dims ``"node"``, ``"local"``) and the gradients
+are the hierarchical mean: reduce-scatter within each node, the hook across
+nodes on ``1/LOCAL`` of every bucket, all-gather within. With ``--no-compile``
+the same step runs eagerly, each bucket's all-reduce starting as backward
+completes it. It prints the bucket plan, shows progress and loss, reports the
+loss on held-out data, and ends by checking that every rank holds bit-identical
+parameters. ``--device cuda`` runs it on GPUs
 (NCCL, one GPU per process).
 """
 
@@ -27,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from tqdm import tqdm
 
 import fsync
@@ -48,16 +60,60 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-compile", action="store_true", help="run the step eagerly")
+    parser.add_argument(
+        "--mesh",
+        type=mesh_shape,
+        default=None,
+        metavar="NODESxLOCAL",
+        help="sync hierarchically over a (nodes, local) DeviceMesh, e.g. 2x2 for 2 machines "
+        "of 2 processes (default: one flat group); --hook is then the cross-node hook, and "
+        "powersgd is batched_powersgd there",
+    )
     return parser.parse_args(argv)
 
 
-def make_hook(name: str, powersgd_rank: int) -> fsync.Hook:
-    """The hook named on the command line."""
+def mesh_shape(text: str) -> tuple[int, int]:
+    """``"2x4"`` -> ``(2, 4)``: the ``--mesh`` option's value, NODESxLOCAL."""
+    nodes, sep, local = text.lower().partition("x")
+    if not (sep and nodes.isdigit() and local.isdigit() and int(nodes) and int(local)):
+        raise argparse.ArgumentTypeError(
+            f"expected NODESxLOCAL with positive integers, such as 2x2; got {text!r}"
+        )
+    return int(nodes), int(local)
+
+
+def make_mesh(shape: tuple[int, int] | None, device: torch.device) -> DeviceMesh | None:
+    """The (node, local) mesh of ``shape`` over all ranks, or ``None`` for the flat default group.
+
+    Raises:
+        SystemExit: ``shape`` does not hold exactly the ranks torchrun started.
+    """
+    if shape is None:
+        return None
+    nodes, local = shape
+    world_size = dist.get_world_size()
+    if nodes * local != world_size:
+        raise SystemExit(
+            f"--mesh {nodes}x{local} has {nodes * local} ranks, but torchrun started "
+            f"{world_size}; give NODESxLOCAL with NODES * LOCAL = {world_size} (LOCAL: the "
+            f"processes per machine, --nproc-per-node), such as --mesh 1x{world_size}."
+        )
+    return init_device_mesh(device.type, (nodes, local), mesh_dim_names=("node", "local"))
+
+
+def make_hook(name: str, powersgd_rank: int, mesh: bool = False) -> fsync.Hook:
+    """The hook named on the command line; on a mesh, the hook across nodes.
+
+    Across nodes a hook sees each bucket's 1-D shard, which per-leaf PowerSGD would
+    leave uncompressed: there PowerSGD is ``batched_powersgd``, which compresses each
+    shard as a square matrix.
+    """
+    powersgd = fsync.ops.batched_powersgd if mesh else fsync.ops.powersgd
     return {
         "allreduce": fsync.ops.allreduce,
         "fp16": fsync.ops.fp16_compress,
         "bf16": fsync.ops.bf16_compress,
-        "powersgd": lambda: fsync.ops.powersgd(powersgd_rank),
+        "powersgd": lambda: powersgd(powersgd_rank),
         "quantize": fsync.ops.quantize,
     }[name]()
 
@@ -86,10 +142,14 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     opt = fsync.optim.adam(args.lr)  # torch.optim.Adam's arithmetic, as a pure function
     opt_state = opt.init(params)  # AdamState(step, exp_avg, exp_avg_sq)
     sync_options = {"bucket_cap_mb": args.bucket_cap_mb, "first_bucket_mb": args.bucket_cap_mb}
-    hook = make_hook(args.hook, args.powersgd_rank)
+    # None: every rank of the default group; a 2-D mesh: the hierarchical mean over it.
+    mesh = make_mesh(args.mesh, device)
+    hook = make_hook(args.hook, args.powersgd_rank, mesh=mesh is not None)
     # A hook that keeps state (PowerSGD's error feedback and Q) needs GradSync, whose
     # state is threaded through the step like the optimizer's.
-    grad_sync = fsync.GradSync(hook=hook, **sync_options) if args.hook == "powersgd" else None
+    grad_sync = (
+        fsync.GradSync(group=mesh, hook=hook, **sync_options) if args.hook == "powersgd" else None
+    )
     sync_state = grad_sync.init(params) if grad_sync is not None else ()
 
     def loss_fn(params, x, y):
@@ -97,7 +157,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 
     # torch.func.grad_and_value whose gradients come back averaged over the ranks.
     if grad_sync is None:
-        grad_fn = fsync.grad_and_value(loss_fn, hook=hook, **sync_options)
+        grad_fn = fsync.grad_and_value(loss_fn, group=mesh, hook=hook, **sync_options)
     else:
         stateful_grad_fn = grad_sync.grad_and_value(loss_fn)
 
@@ -113,8 +173,9 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     if rank == 0:
         mode = "eager" if args.no_compile else "fsync.compile"
         n = sum(p.numel() for p in params.values())
+        layout = "" if mesh is None else " as a {} x {} mesh (node, local)".format(*args.mesh)
         print(
-            f"fsync {fsync.__version__}: {world_size} ranks on {dist.get_backend()}, "
+            f"fsync {fsync.__version__}: {world_size} ranks on {dist.get_backend()}{layout}, "
             f"{n:,} parameters, hook {args.hook}, {mode}"
         )
         print(fsync.plan_buckets(params, **sync_options))

@@ -16,7 +16,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import link, link_report, report  # noqa: E402
+from benchmarks import link, link_report, report, twonodes, twonodes_report  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -67,7 +67,6 @@ def test_smoke_run_writes_the_slow_link_page(tmp_path):
         "Step time against link rate",
         "the sync alone",
         "ZeRO",
-        "GPT on 4 ranks",
         "Every workload: step time relative to DDP eager",
         "deep MLP: step time at batch 64 and 256",
         "GPT: step time at batch 64 and 256",
@@ -85,6 +84,32 @@ def test_smoke_run_writes_the_slow_link_page(tmp_path):
     assert memory in md
     for png in ("step", "hidden", "workloads", "workloads-hidden", "memory"):
         assert (tmp_path / f"benchmarks-link-{png}.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.timeout(600)
+def test_smoke_run_writes_the_two_node_page(tmp_path):
+    # Smoke: one 4-rank world on this machine's loopback, without twonodes or root.
+    _smoke(tmp_path, "--only", "twonodes")
+    md = (tmp_path / "benchmarks-twonodes.md").read_text()
+    for section in (
+        "## Targets",
+        f"## The sync alone: {twonodes.TREE}",
+        f"## The sync alone: {twonodes.GPT}",
+        "## The GPT's training step on 2 nodes x 2 ranks",
+    ):
+        assert section in md, section
+    for setting in (*twonodes.SYNC_SETTINGS, *twonodes.STEP_SETTINGS):
+        assert f"| {setting} |" in md, setting
+    # The rates of the real run were not run: their targets say so.
+    target = f"GPT step: {twonodes.STEP_HIER_COMPILED} <= 0.80x DDP eager, 1 Gbit/s"
+    assert f"| {target} | not run | - |" in md
+    # What crosses nodes does not depend on the rate: the floors of the ring model.
+    cells = [line.split(" | ") for line in md.splitlines() if line.startswith("| ")]
+    rows = {row[0][2:]: row[2] for row in cells if len(row) > 3}  # the settings' tables
+    assert rows[twonodes.HIER] == rows[twonodes.HIER_COMPILED] == "0.67x"
+    assert rows[twonodes.HIER_BF16] == "0.33x"
+    for png in ("sync", "step", "bytes"):
+        assert (tmp_path / f"benchmarks-twonodes-{png}.png").read_bytes()[:8] == PNG
 
 
 def _link_row(**settings: float) -> dict[str, float]:
@@ -166,3 +191,62 @@ def test_targets_are_ratios_of_the_right_figures():
     assert got["pack + unpack >= 80% of copy bandwidth (cuda:0)"] == ("83%", True)
     assert got["no recompile after the first step (cuda:0)"] == ("0", True)
     assert got["compute/communication overlap on GPUs, above DDP's"] == ("not measured", None)
+
+
+def _timed(**settings: float) -> dict[str, dict[str, float]]:
+    return {name: {"ms": ms, "cross": 1.0, "cable": 1.0} for name, ms in settings.items()}
+
+
+def test_two_node_targets_read_the_right_rows():
+    sync = _timed(
+        **{
+            twonodes.FLAT: 100.0,
+            twonodes.SYNC_FLAT: 104.0,
+            twonodes.HIER: 74.0,
+            twonodes.HIER_COMPILED: 80.0,
+            twonodes.HIER_BF16: 40.0,
+        }
+    )
+    step = _timed(
+        **{
+            twonodes.DDP_EAGER: 1000.0,
+            twonodes.STEP_FLAT: 900.0,
+            twonodes.STEP_HIER: 950.0,
+            twonodes.STEP_HIER_COMPILED: 790.0,
+            twonodes.DILOCO: 300.0,
+        }
+    )
+    results = {
+        "10gbit": {"sync": {twonodes.TREE: sync, twonodes.GPT: sync}, "step": step},
+        "1gbit": {"sync": {twonodes.TREE: sync, twonodes.GPT: sync}, "step": step},
+    }
+    got = {name: (measured, met) for name, measured, met in twonodes_report.targets(results)}
+    assert len(got) == len(twonodes_report.TARGETS) == 11
+    tree = f"sync alone, {twonodes.TREE}"
+    assert got[f"{tree}: {twonodes.HIER} <= 0.75x the flat all-reduce, 1 Gbit/s"] == ("0.74x", True)
+    assert got[
+        f"sync alone, the GPT: {twonodes.HIER_COMPILED} <= 0.75x the flat all-reduce, 1 Gbit/s"
+    ] == ("0.80x", False)
+    assert got[f"{tree}: {twonodes.HIER_BF16} <= 0.45x the flat all-reduce, 1 Gbit/s"] == (
+        "0.40x",
+        True,
+    )
+    assert got[f"GPT step: {twonodes.STEP_HIER_COMPILED} <= 0.80x DDP eager, 1 Gbit/s"] == (
+        "0.79x",
+        True,
+    )
+    assert got["GPT step: fsync.diloco (H = 8) <= 0.25x DDP eager, 1 Gbit/s"] == ("0.30x", False)
+    # At 10 Gbit/s the hierarchical path against fsync's own flat one, not the floor.
+    assert got[f"{tree}: hierarchical eager <= 1.05x sync_grads flat, 10 Gbit/s"] == ("0.71x", True)
+    flat_step = "GPT step: grad_and_value hierarchical eager <= 1.05x flat eager, 10 Gbit/s"
+    assert got[flat_step] == ("1.06x", False)
+    del results["10gbit"]
+    got = dict((n, m) for n, m, _ in twonodes_report.targets(results))
+    assert got[flat_step] == "not run"
+
+
+def test_the_ring_model_puts_the_floors_of_the_docs_on_the_cable():
+    s = 6.0  # a gradient of S bytes; the hierarchical hop hands each rank S / 2, bf16 S / 4
+    assert twonodes.cable_bytes(s, flat=True) == 1.5 * s
+    assert twonodes.cable_bytes(s / 2, flat=False) == s  # 0.67x the flat ring
+    assert twonodes.cable_bytes(s / 4, flat=False) == s / 2  # 0.33x
