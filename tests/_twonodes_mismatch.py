@@ -4,12 +4,15 @@ Launched by ``tests/test_twonodes.py`` on two nodes of two ranks (torchrun throu
 ``twonodes``). Every rank calls ``fsync.sync_grads(grads, group=mesh)``; global rank 3
 (local rank 1 of node 1) passes a gradient of another shape. The ranks' agreement runs
 over the whole mesh before any bucket collective, so all four raise the same
-``ValueError``; each prints ``rank R: ValueError: <its first line>`` and exits 0, or
-``rank R: no error`` and exits 1.
+``ValueError``; each writes ``ValueError: <its first line>`` to ``DIR/rank<R>`` (DIR, the
+one argument, is on the file system both nodes share) and exits 0, or writes ``no error``
+and exits 1. A file per rank, not a printed line: four processes on two nodes write to one
+pipe, and their lines can interleave mid-line there.
 """
 
 from __future__ import annotations
 
+import pathlib
 import sys
 
 import torch
@@ -21,7 +24,7 @@ import fsync
 ODD_RANK = 3  # node 1, local rank 1
 
 
-def main() -> int:
+def main(out: pathlib.Path) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
@@ -30,14 +33,13 @@ def main() -> int:
     try:
         fsync.sync_grads(grads, group=mesh)
     except ValueError as error:
-        print(f"rank {rank}: ValueError: {str(error).splitlines()[0]}", flush=True)
-        code = 0
+        said, code = f"ValueError: {str(error).splitlines()[0]}", 0
     else:
-        print(f"rank {rank}: no error", flush=True)
-        code = 1
+        said, code = "no error", 1
+    (out / f"rank{rank}").write_text(said)
     dist.destroy_process_group()
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(pathlib.Path(sys.argv[1])))
