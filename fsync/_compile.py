@@ -10,16 +10,23 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-# Inductor's scheduler passes that move collectives earlier and their waits later, so
-# that a bucket's all-reduce runs while later gradients are computed (the ordering the
-# inductor config recommends for reorder_for_compute_comm_overlap_passes).
+# Inductor's scheduler passes that issue each bucket's collective as soon as its gradients
+# exist and wait for it only where its result is used, so that the all-reduce runs while
+# later gradients are computed. "raise_comms" schedules, before each collective, exactly
+# what it needs (the ranks' agreement, the forward pass, the backward pass up to the kernel
+# that writes the bucket's last gradient, the pack) and everything else after it. It never
+# moves one collective past another, and what no collective needs (fsync::broadcasts after
+# the ZeRO update, say: to inductor a custom op, not a collective) comes after the last
+# collective on every rank. The peak-memory ordering that runs before these passes may
+# instead put the agreement, and so every pack behind it, after the whole input-gradient
+# chain: on the benchmark GPT the first of 20 all-reduces was issued after 67 of the step's
+# 93 matrix-product and attention kernels, with "raise_comms" after 31, the forward pass
+# (inductor's peak-memory estimate is the same). "sink_waits_iterative" then moves each
+# wait to just before the update that reads its bucket, in the order the buckets were
+# issued (after "raise_comms" alone the first wait is the last bucket's).
 OVERLAP_OPTIONS: dict[str, Any] = {
     "reorder_for_compute_comm_overlap": True,
-    "reorder_for_compute_comm_overlap_passes": [
-        "reorder_communication_preserving_peak_memory",
-        "sink_waits_iterative",
-        "reorder_communication_preserving_peak_memory",
-    ],
+    "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits_iterative"],
 }
 
 
