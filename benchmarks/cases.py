@@ -45,6 +45,35 @@ def median_ms(fn: Callable[[], Any], *, warmup: int, steps: int) -> float:
     return 1000.0 * statistics.median(times)
 
 
+def interleaved_ms(
+    calls: dict[str, Callable[[], Any]], *, warmup: int, steps: int, per_round: int = 2
+) -> dict[str, float]:
+    """Milliseconds per call of each of ``calls``, the calls timed in turn.
+
+    Each call is warmed up (and so compiled) first; then every round runs each call
+    ``per_round`` times in a block, one call after the other, until each has run about
+    ``steps`` times. A call's figure is the median over rounds of its block's mean. A
+    drift of a shared machine (another tenant, the clock) then weighs on every setting
+    alike, instead of on whichever one ran while it lasted: the pages report ratios
+    between settings, which timing each setting's steps in one stretch let such drifts
+    decide. A barrier before each block starts every rank on the same call together. A
+    call that does its work once in ``per_round`` calls (DiLoCo's outer sync) counts it in
+    every block when its warm-up is a whole number of blocks.
+    """
+    for fn in calls.values():
+        for _ in range(warmup):
+            fn()
+    blocks: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(max(1, round(steps / per_round))):
+        for name, fn in calls.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            blocks[name].append((time.perf_counter() - start) / per_round)
+    return {name: 1000.0 * statistics.median(t) for name, t in blocks.items()}
+
+
 _ISSUE = re.compile(
     r"_c10d_functional\.(?:all_reduce_|all_reduce|reduce_scatter_tensor|all_gather_into_tensor)\.default\((\w+)"
 )

@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rates", default=",".join(RATES), help=f"comma-separated, of {RATES}")
     parser.add_argument("--slownet", type=pathlib.Path, default=SLOWNET)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, unshaped only")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs")
     parser.add_argument("--json", type=pathlib.Path, help="child: where to write its results")
@@ -179,20 +179,17 @@ def _step_times(
     """
     torch._dynamo.reset()
     batch = work.batch(dist.get_rank())
-    ms = lambda fn: cases.median_ms(fn, **timing)  # noqa: E731
-    out = {} if floors is None else {k: floors[k] for k in [*FLOORS, FLAT, CEILING]}
     measure = floors is None
+    calls: dict[str, Callable[[], None]] = {}  # timed in turn, round after round
 
     def module(name: str, model: torch.nn.Module, compiled: bool) -> None:
-        out[name] = ms(
-            _module_step(work, model, torch.compile(model) if compiled else model, batch)
-        )
+        forward = torch.compile(model) if compiled else model
+        calls[name] = _module_step(work, model, forward, batch)
 
     def functional(name: str, sync: str | None, compiled: bool) -> Callable[[], None]:
         step = _functional_step(work, batch, sync, cap)
-        call = _held(work, fsync.compile(step) if compiled else step)
-        out[name] = ms(call)
-        return call
+        calls[name] = _held(work, fsync.compile(step) if compiled else step)
+        return calls[name]
 
     if measure:
         module("compute, module eager", copy.deepcopy(work.model), compiled=False)
@@ -207,14 +204,17 @@ def _step_times(
     functional("fsync compiled", "grad_and_value", compiled=True)
     if measure:
         flat = torch.cat([p.reshape(-1) for p in work.params().values()])
-        out[FLAT] = ms(lambda: dist.all_reduce(flat))
+        calls[FLAT] = lambda: dist.all_reduce(flat)
 
         def ceiling() -> None:  # the all-reduce in flight during the whole compiled step
             work_ = dist.all_reduce(flat, async_op=True)
             compute()
             work_.wait()
 
-        out[CEILING] = ms(ceiling)
+        calls[CEILING] = ceiling
+    out = cases.interleaved_ms(calls, **timing)
+    if floors is not None:
+        out.update({k: floors[k] for k in [*FLOORS, FLAT, CEILING]})
     return {name: out[name] for name in [*SETTINGS, *FLOORS, FLAT, CEILING]}
 
 

@@ -406,8 +406,10 @@ def _section(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
 READING = (
     "Written by `python benchmarks/run.py --only link` (as root; see `benchmarks/link.py`). "
     "Each rate ran in its own network namespace whose loopback was shaped by "
-    "`../shared/tools/slownet`; every figure is the median step on rank 0, every ratio "
-    "is between figures of the same rate's run. The share hidden is (own compute + flat "
+    "`../shared/tools/slownet`; every figure is the median step on rank 0, the settings "
+    "of a row timed in turn (two steps each, round after round, so that a drift of the "
+    "machine weighs on all alike), every ratio is between figures of the same rate's run. "
+    "The share hidden is (own compute + flat "
     "all-reduce - step) / flat all-reduce, with each setting's own compute: the module "
     "rows for DDP, the functional rows for fsync. Every setting uses 4 MiB buckets "
     "(`bucket_cap_mb=4`, DDP and fsync alike) unless its row says otherwise. "

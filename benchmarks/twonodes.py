@@ -36,8 +36,10 @@ What each rate measures, with 4 MiB buckets throughout (fsync and DDP alike):
    across nodes; ``DeferredSync`` over 4 micro-batches of 1 sequence (``add``
    each, ``finish`` once) against DDP with ``no_sync`` over the same 4; and
    ``fsync.diloco(8, group=mesh, hook=bf16_compress())`` after a compiled local
-   step. Every step is the mean over ``--rounds`` whole rounds of H = 8 steps
-   (DiLoCo syncs once a round), after a warm-up (a whole round for DiLoCo).
+   step. The settings take turns, a whole round of H = 8 steps each (DiLoCo syncs
+   once a round), ``--rounds`` times; a step's figure is the median of its rounds'
+   means, after a warm-up (a whole round for DiLoCo). The sync alone's settings
+   take turns two calls at a time, the same way.
 
 Beside each time, what crosses nodes per rank per step, from
 [fsync.sync_stats][] with ``world_size=(2, 2)`` (``bytes_on(0)``; a flat
@@ -129,10 +131,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (and --rates local)")
     parser.add_argument("--steps", type=int, default=12, help="timed calls of a sync alone")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=2, help=f"timed rounds of {INNER_STEPS}")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help=f"timed rounds of {INNER_STEPS} (3; smoke: 1)"
+    )
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs")
     parser.add_argument("--json", type=pathlib.Path, help="child: where rank 0 writes results")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.rounds = args.rounds or (1 if args.smoke else 3)
+    return args
 
 
 # --- what crosses nodes ------------------------------------------------------------------------
@@ -208,27 +214,17 @@ def sync_alone(
         HIER_POWERSGD: cases._stateful(stateful, grads, held),
     }
     hooks = {HIER_BF16: bf16, HIER_POWERSGD: powersgd}
+    times = cases.interleaved_ms(calls, **timing)
     return {
         name: {
-            "ms": cases.median_ms(call, **timing),
+            "ms": times[name],
             **_cross(grads, name, **({"hook": hooks[name]} if name in hooks else {})),
         }
-        for name, call in calls.items()
+        for name in calls
     }
 
 
 # --- 2. the GPT's step -------------------------------------------------------------------------
-
-
-def mean_ms(step: Callable[[], None], warmup: int, rounds: int) -> float:
-    """Mean ms per call of ``step`` over ``rounds`` whole rounds of ``INNER_STEPS`` calls."""
-    for _ in range(warmup):
-        step()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(rounds * INNER_STEPS):
-        step()
-    return 1000 * (time.perf_counter() - start) / (rounds * INNER_STEPS)
 
 
 def gpt_steps(
@@ -309,15 +305,18 @@ def gpt_steps(
             {k: v / INNER_STEPS for k, v in _cross(params, DILOCO, hook=bf16).items()},
         ),
     }
-    out = {}
-    for name, (step, cross) in steps.items():
+    for name, (step, _) in steps.items():
         started = time.perf_counter()
-        # DiLoCo's warm-up is a whole round, so that its first sync (and compilation) is in it.
-        ms = mean_ms(step, INNER_STEPS if name == DILOCO else warmup, rounds)
-        out[name] = {"ms": ms, **cross}
+        # DiLoCo's warm-up is a whole round, so that its first sync (and compilation) is in
+        # it and every timed block of INNER_STEPS calls holds one outer sync.
+        for _ in range(INNER_STEPS if name == DILOCO else warmup):
+            step()
         if dist.get_rank() == 0:
             seconds = time.perf_counter() - started
-            print(f"twonodes: GPT step, {name}: {ms:.1f} ms ({seconds:.0f} s)", flush=True)
+            print(f"twonodes: GPT step, {name}: warmed up ({seconds:.0f} s)", flush=True)
+    calls = {name: step for name, (step, _) in steps.items()}
+    times = cases.interleaved_ms(calls, warmup=0, steps=rounds * INNER_STEPS, per_round=INNER_STEPS)
+    out = {name: {"ms": times[name], **cross} for name, (_, cross) in steps.items()}
     return out
 
 

@@ -263,8 +263,10 @@ READING = (
     f"--nproc-per-node {LOCAL}`) in two network namespaces made by `../shared/tools/twonodes`, "
     "each node with its own fast loopback, joined by a cable shaped to the rate; the mesh is "
     f'`init_device_mesh("cpu", ({NODES}, {LOCAL}), mesh_dim_names=("node", "local"))`. '
-    "The sync alone is the median call on rank 0, the step the mean over whole rounds of "
-    f"H = {INNER_STEPS} steps; every ratio is between figures of the same rate's run. "
+    "The settings take turns, so that a drift of the machine weighs on all alike: the sync "
+    "alone two calls each, round after round (the median on rank 0), the step a whole round "
+    f"of H = {INNER_STEPS} steps each (the median of the rounds' means); every ratio is "
+    "between figures of the same rate's run. "
     f"Every setting uses {CAP_MB:g} MiB buckets (`bucket_cap_mb={CAP_MB:g}`, DDP and fsync "
     "alike). *MiB across nodes per rank*: what each rank hands to collectives that cross nodes "
     "per call or step, from `fsync.sync_stats(tree, world_size=(2, 2)).bytes_on(0)` (a flat "
