@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Iterable
 from typing import Any
 
 PURE_MEAN = "scaled copy + flat all-reduce (pure mean)"
@@ -224,6 +225,13 @@ def print_tables(results: dict[str, Any]) -> None:
     console.print(table)
 
 
+def targets_table(targets: Iterable[tuple[str, str, bool | None]]) -> str:
+    """Targets as a markdown table: each one's name, what was measured, and whether it is met
+    (``None``: not run)."""
+    rows = [[n, m, {True: "yes", False: "**no**", None: "-"}[ok]] for n, m, ok in targets]
+    return _markdown_table(["target", "measured", "met"], rows)
+
+
 def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -320,13 +328,7 @@ def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
         "",
         "## Targets",
         "",
-        _markdown_table(
-            ["target", "measured", "met"],
-            [
-                [n, m, {True: "yes", False: "**no**", None: "-"}[ok]]
-                for n, m, ok in targets(results)
-            ],
-        ),
+        targets_table(targets(results)),
         "",
     ]
     for title, header, rows in tables(results):

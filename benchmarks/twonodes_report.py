@@ -302,13 +302,7 @@ def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
         "",
         "## Targets",
         "",
-        report._markdown_table(
-            ["target", "measured", "met"],
-            [
-                [n, m, {True: "yes", False: "**no**", None: "-"}[ok]]
-                for n, m, ok in targets(results)
-            ],
-        ),
+        report.targets_table(targets(results)),
         "",
     ]
     if rates(results):
