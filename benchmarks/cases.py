@@ -117,7 +117,8 @@ def case_step_time(
     all-reduces start during backward; the compiled ones are ``fsync.compile`` of the
     former.
 
-    Returns the median milliseconds per setting, and for the compiled fsync steps the
+    Returns the milliseconds per step of each setting, the settings timed in turn
+    (:func:`interleaved_ms`), and for the compiled fsync steps the
     number of collectives in the compiled code and of compute kernels launched while one
     of them is in flight (:func:`overlapped_kernels`), with and without overlap.
     """
@@ -127,7 +128,7 @@ def case_step_time(
     torch._dynamo.reset()
     rank = dist.get_rank()
     batch = work.batch(rank)
-    results: dict[str, float] = {}
+    calls: dict[str, Callable[[], Any]] = {}  # timed in turn, round after round
 
     # Autograd on an nn.Module: alone (the floor), then wrapped in DDP, eager and compiled.
     def module_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
@@ -141,20 +142,12 @@ def case_step_time(
         return step
 
     local = copy.deepcopy(work.model)
-    results["local eager (no sync)"] = median_ms(
-        module_step(local, torch.optim.SGD(local.parameters(), lr=LR)), warmup=warmup, steps=steps
-    )
+    calls["local eager (no sync)"] = module_step(local, torch.optim.SGD(local.parameters(), lr=LR))
     ddp = DDP(copy.deepcopy(work.model))
-    results["DDP eager"] = median_ms(
-        module_step(ddp, torch.optim.SGD(ddp.parameters(), lr=LR)), warmup=warmup, steps=steps
-    )
+    calls["DDP eager"] = module_step(ddp, torch.optim.SGD(ddp.parameters(), lr=LR))
     ddp_c = DDP(copy.deepcopy(work.model))
     compiled_ddp = torch.compile(ddp_c)
-    results["DDP compiled"] = median_ms(
-        module_step(compiled_ddp, torch.optim.SGD(ddp_c.parameters(), lr=LR)),
-        warmup=warmup,
-        steps=steps,
-    )
+    calls["DDP compiled"] = module_step(compiled_ddp, torch.optim.SGD(ddp_c.parameters(), lr=LR))
 
     # The functional step: torch.func gradients, fsync's sync, fsync.optim's SGD.
     optimizer = fsync.optim.sgd(LR)
@@ -193,17 +186,13 @@ def case_step_time(
         if sync:  # compile on the first call, keeping inductor's code to read the overlap off
             _, code = run_and_get_code(call)
             overlap_counts[name] = overlapped_kernels(code[-1])
-        results[name] = median_ms(call, warmup=warmup, steps=steps)
+        calls[name] = call
 
     overlap_counts: dict[str, tuple[int, int]] = {}
-    results["local functional eager (no sync)"] = median_ms(
-        run(functional_step(False)), warmup=warmup, steps=steps
-    )
+    calls["local functional eager (no sync)"] = run(functional_step(False))
     compiled("local compiled (no sync)", sync=False, overlap=False)
-    results["fsync eager"] = median_ms(run(functional_step(True)), warmup=warmup, steps=steps)
-    results[GRAD_AND_VALUE] = median_ms(
-        run(functional_step(True, during_backward=True)), warmup=warmup, steps=steps
-    )
+    calls["fsync eager"] = run(functional_step(True))
+    calls[GRAD_AND_VALUE] = run(functional_step(True, during_backward=True))
     compiled("fsync compiled", sync=True, overlap=False)
     compiled("fsync compiled + overlap", sync=True, overlap=True)
     # What every sync adds to be safe: the ranks' agreement (one all-reduce of 13 int64 and
@@ -211,17 +200,14 @@ def case_step_time(
     plan = fsync.plan_buckets(params)
     leaves = list(params.values())
     hook = fsync.ops.allreduce().spec
-    results[AGREEMENT] = median_ms(
-        lambda: _agree.agree_on(
-            plan,
-            leaves,
-            None,
-            _agree.Terms(hook),
-            pack=lambda token: [],  # the agreement alone: nothing packed meanwhile
-        ),
-        warmup=warmup,
-        steps=steps,
+    calls[AGREEMENT] = lambda: _agree.agree_on(
+        plan,
+        leaves,
+        None,
+        _agree.Terms(hook),
+        pack=lambda token: [],  # the agreement alone: nothing packed meanwhile
     )
+    results = interleaved_ms(calls, warmup=warmup, steps=steps)
     return results, overlap_counts
 
 

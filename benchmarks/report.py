@@ -311,7 +311,9 @@ def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
         "",
         "Written by `python benchmarks/run.py` (do not edit by hand). Every figure is the "
         "median wall time per step on rank 0 after warm-up (compilation happens during the "
-        "warm-up); every comparison is a ratio of figures from this one run.",
+        "warm-up); the step settings take turns, two steps each, round after round, so that "
+        "a drift of the machine weighs on all alike; every comparison is a ratio of figures "
+        "from this one run.",
         "",
         "| | |",
         "|---|---|",
