@@ -9,6 +9,7 @@ of the same run.
 from __future__ import annotations
 
 import copy
+import os
 import re
 import statistics
 import time
@@ -30,6 +31,15 @@ from fsync import _agree
 LR = 1e-3
 # The step table's row for fsync's own gradient call (fsync eager is sync_grads after torch.func).
 GRAD_AND_VALUE = "fsync eager, grad_and_value"
+
+
+def inductor_cache(tmp: str, smoke: bool) -> dict[str, str]:
+    """The environment a page's processes compile in: an empty inductor cache under ``tmp``
+    for a real run (compile times of a first run, not of whatever an earlier run left in
+    ``/tmp/torchinductor_$USER``; the page's rates and ranks share it, so each graph compiles
+    once); for a smoke run the caller's, so the pages of one test session reuse each other's
+    compiled graphs (their smoke workloads are the same, ``benchmarks.link.workload``)."""
+    return {} if smoke else {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}
 
 
 def median_ms(fn: Callable[[], Any], *, warmup: int, steps: int) -> float:

@@ -63,6 +63,8 @@ WORKLOADS = ("deep MLP", "GPT")
 BATCHES = (64, 256)
 WORKLOAD_RATES = ("unshaped", "8gbit")
 GPT_BLOCK = 64  # tokens per GPT sequence: its batch of 256 tokens is 4 sequences
+# --smoke: each workload once at tiny sizes; the main page's smoke run measures the same.
+SMOKE_RUNS = (("MLP", 256), ("deep MLP", 256), ("GPT", 256))
 GAV = "fsync eager, grad_and_value"
 FUNC = "fsync eager, torch.func + sync_grads"
 # What each setting's own compute is: the share of the all-reduce a step hides is
@@ -108,8 +110,8 @@ def workload(name: str, batch: int, smoke: bool) -> models.Workload:
     scale = 1 / 16 if smoke else 1.0
     if name == "MLP":
         return models.mlp(batch=batch, scale=scale)
-    if name == "deep MLP":
-        return models.deep_mlp(batch=batch, scale=scale)
+    if name == "deep MLP":  # smoke: 3 layers, every code path; more only lengthen compiling
+        return models.deep_mlp(batch=batch, scale=scale, **({"depth": 3} if smoke else {}))
     sequences = max(1, batch // GPT_BLOCK)
     if smoke:
         return models.gpt(n_layer=1, scale=1 / 8, vocab_size=256, batch=sequences)
@@ -234,7 +236,7 @@ def _sync_alone(work: models.Workload, timing: dict[str, int]) -> dict[str, floa
 def _runs(rate: str, smoke: bool) -> list[tuple[str, int]]:
     """The (workload, batch) rows measured at ``rate`` with 4 MiB buckets."""
     if smoke:  # each workload once, which is every code path, in the time CI has
-        return [("MLP", 256), ("deep MLP", 256), ("GPT", 64)]
+        return list(SMOKE_RUNS)
     runs = [("MLP", 256)]
     if rate == "8gbit":
         runs.append(("MLP", 64))
@@ -288,8 +290,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rates = ["unshaped"] if args.smoke else [r for r in args.rates.split(",") if r]
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fsync-link-") as tmp:
-        # One inductor cache for all rates: the same graphs compile once.
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}
+        env = {**os.environ, **cases.inductor_cache(tmp, args.smoke)}
         for rate in rates:
             path = pathlib.Path(tmp) / f"{rate}.json"
             command = [sys.executable, "-m", "benchmarks.link", "--child", rate, "--json", path]

@@ -75,12 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _workloads(smoke: bool) -> list[models.Workload]:
     """The MLP first (ZeRO's workload), the GPT last (the sync, hooks and anatomy cases')."""
-    if smoke:
-        return [
-            models.mlp(scale=1 / 16),
-            models.deep_mlp(scale=1 / 16),
-            models.gpt(n_layer=1, scale=1 / 8, vocab_size=256),
-        ]
+    if smoke:  # the slow-link page's smoke workloads, whose compiled graphs they share
+        return [link.workload(name, batch, smoke=True) for name, batch in link.SMOKE_RUNS]
     return [models.mlp(), models.deep_mlp(), models.gpt()]
 
 
@@ -167,9 +163,7 @@ def _environment(args: argparse.Namespace) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fsync-bench-") as tmp:
-        # An empty inductor cache, shared by the ranks: compile times are those of a
-        # first run, not of whatever an earlier run left in /tmp/torchinductor_$USER.
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+        os.environ.update(cases.inductor_cache(tmp, args.smoke))
         result_file = os.path.join(tmp, "results.json")
         mp.spawn(
             _worker,

@@ -379,8 +379,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fsync-twonodes-") as tmp:
-        # One inductor cache for all rates and ranks: the same graphs compile once.
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}
+        env = {**os.environ, **cases.inductor_cache(tmp, args.smoke)}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env.setdefault("OMP_NUM_THREADS", "1")
         for rate in rates:
