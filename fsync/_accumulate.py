@@ -167,7 +167,9 @@ class DeferredSync:
     """
 
     def __init__(self, *, group: _comm.Group = None, **options: Unpack[OptionKeywords]) -> None:
-        self.options = SyncOptions.of(options, where="DeferredSync")
+        self.options = SyncOptions.of(
+            options, where="DeferredSync", mesh=_comm.hierarchy(group) is not None
+        )
         if self.options.find_unused or self.options.divide_by != "world":
             raise ValueError(_UNSUPPORTED)
         self.group = group

@@ -92,7 +92,9 @@ def grad_and_value(
         (tensor([0., 1., 2.]), tensor(3.))
     """
     settings = TorchFunc.of(fn, argnums, has_aux)
-    sync_options = SyncOptions.of(options, where="grad_and_value")
+    sync_options = SyncOptions.of(
+        options, where="grad_and_value", mesh=_comm.hierarchy(group) is not None
+    )
     if sync_options.find_unused:
         raise ValueError(_checks.FIND_UNUSED_NEEDS_STATE)
 

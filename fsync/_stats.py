@@ -172,7 +172,7 @@ def sync_stats(
         )
     if not _positive(micro_batches) and micro_batches != 0:
         raise ValueError(f"micro_batches must be an int >= 0; got {micro_batches!r}.")
-    sync_options = SyncOptions.of(options, where="sync_stats")
+    sync_options = SyncOptions.of(options, where="sync_stats", mesh=len(shape) == 2)
     plan = (
         tree
         if isinstance(tree, BucketPlan)

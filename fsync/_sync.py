@@ -109,7 +109,9 @@ def sync_grads(
         >>> fsync.sync_grads(grads)["b"]  # one rank: the mean is the gradient itself
         tensor([1., 1.])
     """
-    sync_options = SyncOptions.of(options, where="sync_grads")
+    sync_options = SyncOptions.of(
+        options, where="sync_grads", mesh=_comm.hierarchy(group) is not None
+    )
     if sync_options.find_unused:
         raise ValueError(_checks.FIND_UNUSED_NEEDS_STATE)
     _checks.check_flag("active", active)
@@ -152,7 +154,9 @@ class GradSync:
     """
 
     def __init__(self, *, group: _comm.Group = None, **options: Unpack[OptionKeywords]) -> None:
-        self.options = SyncOptions.of(options, where="GradSync")
+        self.options = SyncOptions.of(
+            options, where="GradSync", mesh=_comm.hierarchy(group) is not None
+        )
         self.group = group
 
     @property

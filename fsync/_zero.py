@@ -34,7 +34,7 @@ import torch
 from fsync import _checks, _comm, _pack, _planner, _tree
 from fsync._agree import planned, refuse, verify_plan
 from fsync._hook import Hook
-from fsync._options import SyncOptions
+from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan
 from fsync._reduce import agree_and_pack, context, hook_of, init_hook, reduce_dense
 from fsync._serialization import register_state
@@ -515,7 +515,7 @@ def zero(
     hook: Hook | None = None,
     shard_buckets: bool = True,
     group: _comm.Group = None,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float | None = None,
     first_bucket_mb: float = 1.0,
 ) -> ZeroStep:
     """A ZeRO step: synced gradients feed an optimizer update sharded across ranks.
@@ -543,7 +543,8 @@ def zero(
             ``(nodes, local)``: gradients are then reduced hierarchically (as
             [fsync.sync_grads][] does) and the ranks of the whole mesh share
             the update.
-        bucket_cap_mb: Bucket size limit in MiB.
+        bucket_cap_mb: Bucket size limit in MiB; ``None``: 25, or 4 on a 2-D mesh
+            (see [fsync.SyncOptions][]).
         first_bucket_mb: Size limit of the first bucket in MiB.
 
     Returns:
@@ -563,7 +564,11 @@ def zero(
         >>> params["b"]
         tensor([-0.5000, -0.5000])
     """
-    options = SyncOptions(hook=hook, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb)
+    sizes: OptionKeywords = {"first_bucket_mb": first_bucket_mb}
+    if bucket_cap_mb is not None:
+        sizes["bucket_cap_mb"] = bucket_cap_mb
+    mesh = _comm.hierarchy(group) is not None
+    options = SyncOptions.of({"hook": hook, **sizes}, where="fsync.ops.zero", mesh=mesh)
     return ZeroStep(optimizer, options=options, shard_buckets=shard_buckets, group=group)
 
 

@@ -166,6 +166,31 @@ def test_cross_node_hooks_and_every_disagreement_is_an_error_everywhere(world: W
     world.run(_on_rank_disagreement, False, timeout=300)
 
 
+def _on_rank_default_buckets_on_a_mesh():
+    """No bucket size given: 4 MiB buckets on the 2-D mesh, DDP's 25 MiB on a flat group."""
+    mesh = _mesh()
+    rank = dist.get_rank()
+    tree = {f"l{i}": torch.full((1 << 18,), float(rank)) for i in range(12)}  # 12 x 1 MiB
+    on_mesh, flat = fsync.plan_buckets(tree, bucket_cap_mb=4.0), fsync.plan_buckets(tree)
+    assert len(on_mesh.specs) == 4 and len(flat.specs) == 2  # [1 MiB, 4, 4, 3] and [1, 11]
+    for sync in (fsync.GradSync(group=mesh), fsync.DeferredSync(group=mesh)):
+        assert sync.plan(sync.init(tree)) == on_mesh, type(sync).__name__
+    for sync in (fsync.GradSync(), fsync.GradSync(group=mesh, bucket_cap_mb=25.0)):
+        assert sync.plan(sync.init(tree)) == flat
+    step = fsync.ops.zero(fsync.optim.sgd(0.1), group=mesh)
+    assert step.layout(step.init(tree)).plan == on_mesh
+    assert fsync.sync_stats(tree, world_size=(2, 2)).buckets == 4
+    assert fsync.sync_stats(tree, world_size=4).buckets == 2
+    # The mean of 0, 1, 2 and 3, exact in float32 whatever the buckets.
+    out = fsync.sync_grads(tree, group=mesh)
+    assert all(torch.equal(g, torch.full_like(g, 1.5)) for g in out.values())
+
+
+@pytest.mark.parametrize("world", [4], indirect=True)
+def test_a_mesh_plans_smaller_buckets_unless_told(world: World):
+    world.run(_on_rank_default_buckets_on_a_mesh, timeout=300)
+
+
 def _on_rank_deferred(dtype, k):
     mesh = _mesh()
     rank = dist.get_rank()
