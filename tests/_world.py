@@ -31,7 +31,6 @@ class RankFailedError(AssertionError):
 
 
 def _worker(rank: int, size: int, init_file: str, pg_timeout: float, conn: Connection) -> None:
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     import torch
     import torch.distributed as dist
 
