@@ -14,7 +14,7 @@ the same with nothing kept afterwards:
    anywhere else); a hook on each leaf copies its gradient into its bucket, in
    the bucket's dtype and the leaf's memory order, and hands autograd the
    bucket's slice in place of the gradient, so no second copy is kept;
-3. a thread of the call starts complete buckets in the plan's order (a complete
+3. a starter thread takes complete buckets in the plan's order (a complete
    bucket waits for those before it, as in DDP's Reducer): the first waits for
    the agreement, each then goes through a bucketwise hook on its own
    (``_reduce.start_bucket``), or, for any other hook, waits for the rest (on a
@@ -29,7 +29,10 @@ backward's thread that would stall backward for the whole transfer. The thread
 is the only one that issues the call's bucket collectives, so they leave every
 rank in the plan's order; collectives that ``fn``'s own backward issues on the
 same group (SyncBatchNorm) are not ordered against them: give those a group of
-their own.
+their own. Starter threads are kept for the process and reused, one per call in
+flight (``_starters``): c10d's functional collectives keep about 100 KiB for
+every thread that issues one and never give it back (torch 2.13), so a thread
+made per call grew a training run's memory without bound (1 GB in 5,000 calls).
 
 Owns: one gradient call's buckets, their filling by autograd and their start
 in plan order. May import: layers 1 to 6 (it composes the reduce's stages with
@@ -38,8 +41,10 @@ autograd, beside ``_reduce``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -97,13 +102,25 @@ def _in_bucket(buffer: torch.Tensor, slot: _Slot) -> torch.Tensor:
     return piece if slot.layout.view is None else piece.view(slot.layout.view)
 
 
+# More than any nesting of gradient calls needs (a call inside another's ``fn`` takes a
+# second thread while the first waits for its backward); an idle thread is always reused.
+_MAX_STARTERS = 64
+
+
+@functools.lru_cache(maxsize=1)
+def _starters(pid: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that start buckets, kept for this process (``pid``: a forked child,
+    whose copy has no threads, makes its own) and reused by every later call."""
+    return concurrent.futures.ThreadPoolExecutor(_MAX_STARTERS, thread_name_prefix="fsync-buckets")
+
+
 class Buckets:
     """The buckets of one gradient call: filled by autograd's hooks, started in plan order.
 
-    ``receive`` is each leaf's autograd hook; ``run`` starts the thread that
-    hands complete buckets to ``start`` in the plan's order; ``close`` (after
+    ``receive`` is each leaf's autograd hook; ``run`` has a starter thread hand
+    complete buckets to ``start`` in the plan's order; ``close`` (after
     backward) makes the leaves that got no gradient zeros and so completes every
-    bucket; ``join`` waits for the thread and raises what it raised.
+    bucket; ``join`` waits for the starter and raises what it raised.
     """
 
     def __init__(
@@ -123,9 +140,8 @@ class Buckets:
         self._stopped = False
         self._error: BaseException | None = None
         self._order = _DeviceOrder(plan)
-        self._thread = threading.Thread(
-            target=self._start_in_order, args=(start,), name="fsync-buckets", daemon=True
-        )
+        self._start = start
+        self._started: concurrent.futures.Future[None] | None = None
 
     def receive(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """Leaf ``i``'s gradient into its bucket; what autograd keeps instead (a view of it)."""
@@ -169,8 +185,8 @@ class Buckets:
                     self._changed.notify_all()
 
     def run(self) -> None:
-        """Starts the thread that starts complete buckets."""
-        self._thread.start()
+        """Has a starter thread start complete buckets from now on."""
+        self._started = _starters(os.getpid()).submit(self._start_in_order, self._start)
 
     def stop(self) -> None:
         """No bucket is started from now on (the call failed)."""
@@ -179,8 +195,9 @@ class Buckets:
             self._changed.notify_all()
 
     def join(self, *, quiet: bool = False) -> None:
-        """Waits for the thread; raises what it raised (unless ``quiet``)."""
-        self._thread.join()
+        """Waits for the starter; raises what it raised (unless ``quiet``)."""
+        if self._started is not None:
+            self._started.result()
         if self._error is not None and not quiet:
             raise self._error
 

@@ -11,12 +11,14 @@ bucket collective was issued).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 import fsync
 from fsync._agree import AGREEMENT
@@ -218,6 +220,9 @@ def _on_rank_compiled_peer_stops(mode):
     step = fsync.compile(lambda g, s: sync(g, s))
     for _ in range(2):
         _, state = step(grads, state)
+    # Compiled on both ranks: from here on the steady state's timeout (see below).
+    dist.barrier()
+    _set_pg_timeout(datetime.timedelta(seconds=STEADY_PG_TIMEOUT))
     if rank == 1:
         if mode == "dies":
             time.sleep(0.5)
@@ -231,8 +236,10 @@ def _on_rank_compiled_peer_stops(mode):
 
 # The first compiled step's agreement waits for the slower rank's compilation, which on a
 # loaded two-core machine can finish many seconds after the other's: the group's timeout
-# must cover that skew, or the warm-up itself times out.
+# must cover that skew, or the warm-up itself times out. Once both ranks have compiled,
+# the group's timeout drops to the steady state's, which the failure then waits for.
 COMPILED_PG_TIMEOUT = 30.0
+STEADY_PG_TIMEOUT = 4.0
 
 
 @pytest.mark.parametrize("mode", ["skips", "dies"])
@@ -249,7 +256,7 @@ def test_compiled_step_fails_within_the_timeout_when_a_peer_stops(mode):
     assert "process group's timeout" in message
     assert f"an fsync collective failed at {AGREEMENT}" in message, message
     assert "rank 1 did not arrive" in message and "rank 0 saw the failure there" in message
-    assert elapsed < COMPILED_PG_TIMEOUT + REPORT_PATIENCE_S + 20, elapsed
+    assert elapsed < STEADY_PG_TIMEOUT + REPORT_PATIENCE_S + 20, elapsed
     assert results[1] == (("died", 3) if mode == "dies" else ("ok", "stopped"))
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import threading
 import time
 
 import pytest
@@ -598,23 +599,24 @@ def _on_rank_memory():
     sync = fsync.GradSync(**TINY)
     state = sync.init(params)
     stateful = sync.grad_and_value(loss)
-    for _ in range(100):  # allocator and caches warm
+    wide = {"w": torch.randn(1 << 16)}  # one 256 KiB bucket
+    square = fsync.grad_and_value(lambda p: (p["w"] ** 2).sum())
+    for i in range(350):  # 50 to warm the allocator and caches, then 300 measured
+        if i == 50:
+            before, threads = _rss_mib(), threading.active_count()
         call(params, x)
         _, state = stateful(state, params, x)
-    before = _rss_mib()
-    for _ in range(1000):
-        call(params, x)
-        _, state = stateful(state, params, x)
-    return _rss_mib() - before
+        square(wide)
+    return _rss_mib() - before, threading.active_count() - threads
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)
-def test_a_thousand_calls_keep_memory_flat(world: World):
-    growth = world.run(_on_rank_memory, timeout=300)
+def test_calls_keep_memory_and_threads_flat(world: World):
+    results = world.run(_on_rank_memory, timeout=300)
     # Each call allocates and frees its buckets, hooks and thread; nothing is kept. A few MB
-    # cover the allocator's own growth; a leak of one call's buckets (1.3 KB) or thread
-    # (a stack mapping each) would show as more over 2000 calls.
-    assert all(g < 4.0 for g in growth), growth
+    # cover the allocator's own growth; a leak of the wide call's bucket would be 75 MiB over
+    # these 300 calls, and a thread left running each call would be counted.
+    assert all(growth < 4.0 and threads == 0 for growth, threads in results), results
 
 
 # --- wrong input ---------------------------------------------------------------------------------
