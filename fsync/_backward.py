@@ -30,7 +30,7 @@ is the only one that issues the call's bucket collectives, so they leave every
 rank in the plan's order; collectives that ``fn``'s own backward issues on the
 same group (SyncBatchNorm) are not ordered against them: give those a group of
 their own. Starter threads are kept for the process and reused, one per call in
-flight (``_starters``): c10d's functional collectives keep about 100 KiB for
+flight (``on_starter``): c10d's functional collectives keep about 100 KiB for
 every thread that issues one and never give it back (torch 2.13), so a thread
 made per call grew a training run's memory without bound (1 GB in 5,000 calls).
 
@@ -41,10 +41,10 @@ autograd, beside ``_reduce``).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import os
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -102,16 +102,47 @@ def _in_bucket(buffer: torch.Tensor, slot: _Slot) -> torch.Tensor:
     return piece if slot.layout.view is None else piece.view(slot.layout.view)
 
 
-# More than any nesting of gradient calls needs (a call inside another's ``fn`` takes a
-# second thread while the first waits for its backward); an idle thread is always reused.
-_MAX_STARTERS = 64
+_Job = tuple[Callable[[], None], threading.Event]
 
 
 @functools.lru_cache(maxsize=1)
-def _starters(pid: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that start buckets, kept for this process (``pid``: a forked child,
-    whose copy has no threads, makes its own) and reused by every later call."""
-    return concurrent.futures.ThreadPoolExecutor(_MAX_STARTERS, thread_name_prefix="fsync-buckets")
+def _idle_starters(pid: int) -> queue.SimpleQueue[queue.SimpleQueue[_Job]]:
+    """The inboxes of this process's idle starter threads (``pid``: a forked child, whose
+    copy of them has no threads, starts its own)."""
+    return queue.SimpleQueue()
+
+
+def _serve(inbox: queue.SimpleQueue[_Job], idle: queue.SimpleQueue[Any]) -> None:
+    """A starter thread: runs the jobs put in its inbox, one at a time, for good. It is
+    idle again before its job counts as done, so the next call finds it."""
+    while True:
+        job, done = inbox.get()
+        try:
+            job()
+        finally:
+            idle.put(inbox)
+            done.set()
+
+
+def on_starter(job: Callable[[], None]) -> threading.Event:
+    """Runs ``job`` on an idle starter thread, or on a new one where none is idle (a call
+    nested in another's ``fn``); the event is set once it has returned.
+
+    Daemon threads, so that a starter still waiting on a failed peer's collective
+    does not hold up the interpreter's exit.
+    """
+    idle = _idle_starters(os.getpid())
+    try:
+        inbox = idle.get_nowait()
+    except queue.Empty:
+        inbox = queue.SimpleQueue()
+        thread = threading.Thread(
+            target=_serve, args=(inbox, idle), name="fsync-buckets", daemon=True
+        )
+        thread.start()
+    done = threading.Event()
+    inbox.put((job, done))
+    return done
 
 
 class Buckets:
@@ -141,7 +172,7 @@ class Buckets:
         self._error: BaseException | None = None
         self._order = _DeviceOrder(plan)
         self._start = start
-        self._started: concurrent.futures.Future[None] | None = None
+        self._finished: threading.Event | None = None
 
     def receive(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """Leaf ``i``'s gradient into its bucket; what autograd keeps instead (a view of it)."""
@@ -186,7 +217,7 @@ class Buckets:
 
     def run(self) -> None:
         """Has a starter thread start complete buckets from now on."""
-        self._started = _starters(os.getpid()).submit(self._start_in_order, self._start)
+        self._finished = on_starter(functools.partial(self._start_in_order, self._start))
 
     def stop(self) -> None:
         """No bucket is started from now on (the call failed)."""
@@ -196,8 +227,8 @@ class Buckets:
 
     def join(self, *, quiet: bool = False) -> None:
         """Waits for the starter; raises what it raised (unless ``quiet``)."""
-        if self._started is not None:
-            self._started.result()
+        if self._finished is not None:
+            self._finished.wait()
         if self._error is not None and not quiet:
             raise self._error
 
