@@ -4,7 +4,7 @@
 kernel, so a sync called afterwards can hide nothing. DDP's Reducer overlaps by
 starting a bucket's all-reduce from an autograd hook the moment the bucket's
 last gradient exists. Here the gradient call is fsync's own, and one call does
-the same with nothing kept afterwards:
+the same with no state kept afterwards:
 
 1. the differentiated arguments' tensor leaves are detached and made to
    require grad (as ``torch.func`` wraps them), ``fn`` runs (the forward pass),
@@ -112,7 +112,9 @@ def _idle_starters(pid: int) -> queue.SimpleQueue[queue.SimpleQueue[_Job]]:
     return queue.SimpleQueue()
 
 
-def _serve(inbox: queue.SimpleQueue[_Job], idle: queue.SimpleQueue[Any]) -> None:
+def _serve(
+    inbox: queue.SimpleQueue[_Job], idle: queue.SimpleQueue[queue.SimpleQueue[_Job]]
+) -> None:
     """A starter thread: runs the jobs put in its inbox, one at a time, for good. It is
     idle again before its job counts as done, so the next call finds it."""
     while True:

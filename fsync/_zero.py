@@ -564,11 +564,11 @@ def zero(
         >>> params["b"]
         tensor([-0.5000, -0.5000])
     """
-    sizes: OptionKeywords = {"first_bucket_mb": first_bucket_mb}
-    if bucket_cap_mb is not None:
-        sizes["bucket_cap_mb"] = bucket_cap_mb
+    given = OptionKeywords(hook=hook, first_bucket_mb=first_bucket_mb)
+    if bucket_cap_mb is not None:  # else the default for the group (SyncOptions.of)
+        given["bucket_cap_mb"] = bucket_cap_mb
     mesh = _comm.hierarchy(group) is not None
-    options = SyncOptions.of({"hook": hook, **sizes}, where="fsync.ops.zero", mesh=mesh)
+    options = SyncOptions.of(given, where="fsync.ops.zero", mesh=mesh)
     return ZeroStep(optimizer, options=options, shard_buckets=shard_buckets, group=group)
 
 
