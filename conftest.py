@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ def single_rank() -> Iterator[None]:
         try:
             yield
         finally:
+            gc.collect()  # no DDP may outlive the group (``benchmarks.cases.leave_group``)
             dist.destroy_process_group()
 
 

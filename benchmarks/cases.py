@@ -9,6 +9,7 @@ of the same run.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import re
 import statistics
@@ -40,6 +41,23 @@ def inductor_cache(tmp: str, smoke: bool) -> dict[str, str]:
     once); for a smoke run the caller's, so the pages of one test session reuse each other's
     compiled graphs (their smoke workloads are the same, ``benchmarks.link.workload``)."""
     return {} if smoke else {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}
+
+
+def leave_group() -> None:
+    """Waits for every rank, then destroys the default group, with no DDP left to outlive it.
+
+    A ``DistributedDataParallel`` sits in a reference cycle, so it lives on until the
+    garbage collector runs. Collected after ``destroy_process_group``, its Reducer holds the
+    group's last reference and frees it with the GIL held; the gloo group's destructor then
+    joins a worker thread that may be waiting for the GIL to free the work it just finished,
+    and the rank hangs (pytorch/pytorch#56297): one of 20 of the memory page's DDP worlds
+    did here, and CI's link page once. Collecting first frees every unreachable DDP while
+    the group is still registered (a caller drops those it still holds first): none of 24
+    hung.
+    """
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def median_ms(fn: Callable[[], Any], *, warmup: int, steps: int) -> float:

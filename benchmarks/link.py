@@ -268,8 +268,7 @@ def _worker(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
         results["zero"] = {name: row["ms"] for name, row in zero.items()}
     if rank == 0:
         pathlib.Path(out).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    cases.leave_group()
 
 
 def child(args: argparse.Namespace) -> None:
@@ -384,8 +383,8 @@ def _memory_worker(
     if rank == 0:
         row = {"built": built, "warm": warm, "peak": peak, "since start": float(not reset)}
         pathlib.Path(out).write_text(json.dumps(row))
-    dist.barrier()
-    dist.destroy_process_group()
+    del step  # the DDP setting's module: freed before its group (``cases.leave_group``)
+    cases.leave_group()
 
 
 def memory(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:

@@ -119,8 +119,7 @@ def _worker(rank: int, args: argparse.Namespace, init_file: str, result_file: st
     results["gpu"] = _gpu_note(args)
     if rank == 0:
         pathlib.Path(result_file).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    cases.leave_group()
 
 
 def _backend(args: argparse.Namespace) -> str:

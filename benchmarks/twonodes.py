@@ -347,8 +347,7 @@ def child(args: argparse.Namespace) -> None:
     if rank == 0:
         assert args.json is not None
         args.json.write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    cases.leave_group()
 
 
 # --- the parent: one launch per rate -----------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 
@@ -61,6 +62,10 @@ def distributed(args: argparse.Namespace) -> Iterator[torch.device]:
     try:
         yield device
     finally:
+        # A DistributedDataParallel lives in a reference cycle until the garbage collector
+        # runs; collected after the group is destroyed, its teardown can deadlock in
+        # torch's gloo group (pytorch/pytorch#56297), so collect it while the group lives.
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import tempfile
@@ -61,6 +62,10 @@ def _worker(rank: int, size: int, init_file: str, pg_timeout: float, conn: Conne
         except BaseException:
             conn.send(("error", traceback.format_exc()))
     if dist.is_initialized():
+        # A test's DDP lives in a reference cycle until collected; collected after the
+        # group is gone, its Reducer frees the group with the GIL held and the gloo
+        # destructor can deadlock on it (``benchmarks.cases.leave_group`` says how).
+        gc.collect()
         dist.destroy_process_group()
 
 
