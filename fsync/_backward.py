@@ -219,7 +219,7 @@ class Buckets:
 
     def run(self) -> None:
         """Has a starter thread start complete buckets from now on."""
-        self._finished = on_starter(functools.partial(self._start_in_order, self._start))
+        self._finished = on_starter(self._start_in_order)
 
     def stop(self) -> None:
         """No bucket is started from now on (the call failed)."""
@@ -237,7 +237,7 @@ class Buckets:
     def _ready(self, k: int) -> bool:
         return self._stopped or not self._missing[k]
 
-    def _start_in_order(self, start: Callable[[int, torch.Tensor], None]) -> None:
+    def _start_in_order(self) -> None:
         try:
             with self._order.stream():
                 for k, buffer in enumerate(self.buffers):
@@ -246,7 +246,7 @@ class Buckets:
                         if self._stopped:
                             return
                     self._order.wait(k)
-                    start(k, buffer)
+                    self._start(k, buffer)
         except BaseException as error:  # handed to the caller's thread by join
             self._error = error
 
