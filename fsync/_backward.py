@@ -116,12 +116,15 @@ def _serve(
     inbox: queue.SimpleQueue[_Job], idle: queue.SimpleQueue[queue.SimpleQueue[_Job]]
 ) -> None:
     """A starter thread: runs the jobs put in its inbox, one at a time, for good. It is
-    idle again before its job counts as done, so the next call finds it."""
+    idle again before its job counts as done, so the next call finds it. It lets go of
+    a job before it waits for the next one: an idle thread holding the last call's
+    buckets would keep memory that the caller has let go of."""
     while True:
         job, done = inbox.get()
         try:
             job()
         finally:
+            del job
             idle.put(inbox)
             done.set()
 

@@ -620,6 +620,44 @@ def test_calls_keep_memory_and_threads_flat(world: World):
     assert all(growth < 4.0 and threads == 0 for growth, threads in results), results
 
 
+def _on_rank_let_go():
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    params = {"a": torch.randn(40, 30), "b": torch.randn(30)}
+
+    def loss(p, x):
+        return (x @ p["a"] + p["b"]).tanh().square().mean()
+
+    x = torch.randn(8, 40, generator=torch.Generator().manual_seed(rank))
+    sync = fsync.GradSync(**TINY)
+    calls = {
+        "stateless": lambda: fsync.grad(loss, **TINY)(params, x),
+        "stateful": lambda: sync.grad(loss)(sync.init(params), params, x)[0],
+    }
+    alive = {}
+    for name, call in calls.items():
+        grads = call()
+        refs = [StorageWeakRef(g.untyped_storage()) for g in grads.values()]
+        del grads
+        # gloo's threads drop their hold on a finished collective's tensors a moment later.
+        deadline = time.monotonic() + 5.0
+        while not all(ref.expired() for ref in refs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        alive[name] = [not ref.expired() for ref in refs]
+    return alive
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_a_call_keeps_no_bucket_once_the_caller_lets_go(world: World):
+    # The gradients are views of the call's buckets; once the caller drops them, nothing of
+    # fsync's may hold the buckets (an idle starter thread kept its last job, and with it
+    # the last call's buckets, until the next call, however long that was).
+    for alive in world.run(_on_rank_let_go, timeout=120):
+        assert alive == {"stateless": [False, False], "stateful": [False, False]}, alive
+
+
 # --- wrong input ---------------------------------------------------------------------------------
 
 
