@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import link, link_report, report, twonodes, twonodes_report  # noqa: E402
+from tests._launch import torchrun  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -55,6 +56,16 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert "pack + unpack kernels per bucket <= 2 (cpu)" in md
     for png in ("step", "leaves", "hooks"):
         assert (tmp_path / f"benchmarks-{png}.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.timeout(120)
+def test_timeline_tells_when_each_setting_issued_its_buckets():
+    out = torchrun("benchmarks/timeline.py", "--smoke", "--steps", "2", "--workload", "GPT")
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
+    times = {(r[0].strip(), r[1].strip()): [float(x) for x in r[2:]] for r in rows[1:]}
+    assert set(times) == {(s, r) for s in ("DDP eager", "fsync.grad_and_value") for r in "01"}
+    # Each call's events in the order they happen: forward, first and last bucket, return.
+    assert all(row == sorted(row) and row[0] > 0 for row in times.values()), times
 
 
 @pytest.mark.timeout(600)

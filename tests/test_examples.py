@@ -11,55 +11,13 @@ others eagerly, to keep the file under a few minutes on two cores.
 from __future__ import annotations
 
 import math
-import os
-import pathlib
 import re
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import fsync
-
-ROOT = pathlib.Path(__file__).parents[1]
-RUN_TIMEOUT = 150  # seconds for one torchrun; each test's own timeout is above its runs' total
-
-
-def torchrun(script: str, *args: str, timeout: float = RUN_TIMEOUT) -> str:
-    """Runs ``examples/<script>`` on two ranks; returns rank 0's stdout, or fails with the log."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "examples" / script),
-        *args,
-    ]
-    # A session of its own, so that a timeout kills the ranks too, not only torchrun.
-    proc = subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{script} {' '.join(args)} ran over {timeout} s:\n{out}\n{err[-4000:]}")
-    assert proc.returncode == 0, f"{script} {' '.join(args)} failed:\n{out}\n{err[-4000:]}"
-    return out
+from tests._launch import RUN_TIMEOUT, torchrun
 
 
 def number(pattern: str, text: str) -> float:
@@ -71,7 +29,7 @@ def number(pattern: str, text: str) -> float:
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_train_compiled_ends_with_identical_parameters():
-    out = torchrun("train.py", "--steps", "40")
+    out = torchrun("examples/train.py", "--steps", "40")
     assert "fsync.compile" in out
     first = number(r"^loss ([\d.]+) ->", out)
     last = number(r"-> ([\d.]+) in 40 steps", out)
@@ -83,11 +41,17 @@ def test_train_compiled_ends_with_identical_parameters():
 @pytest.mark.timeout(3 * RUN_TIMEOUT + 30)
 def test_gpt_resumed_run_matches_an_uninterrupted_one_bit_for_bit(tmp_path):
     common = ["--eval-every", "6", "--eval-batches", "2"]
-    straight = torchrun("gpt.py", *common, "--steps", "12", "--checkpoint", str(tmp_path / "a.pt"))
+    straight = torchrun(
+        "examples/gpt.py", *common, "--steps", "12", "--checkpoint", str(tmp_path / "a.pt")
+    )
     half = tmp_path / "b.pt"
     # The schedule must be the full run's: --decay-steps 12 while stopping at 6.
-    torchrun("gpt.py", *common, "--steps", "6", "--decay-steps", "12", "--checkpoint", str(half))
-    resumed = torchrun("gpt.py", *common, "--steps", "12", "--checkpoint", str(half), "--resume")
+    torchrun(
+        "examples/gpt.py", *common, "--steps", "6", "--decay-steps", "12", "--checkpoint", str(half)
+    )
+    resumed = torchrun(
+        "examples/gpt.py", *common, "--steps", "12", "--checkpoint", str(half), "--resume"
+    )
 
     assert f"resumed from {half} at step 6" in resumed
     final = re.compile(r"^final: step 12, train loss .*$", flags=re.M)
@@ -110,7 +74,7 @@ def test_gpt_resumed_run_matches_an_uninterrupted_one_bit_for_bit(tmp_path):
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_zero_halves_the_state_and_reloads_in_the_other_layout():
-    out = torchrun("zero.py", "--steps", "15")
+    out = torchrun("examples/zero.py", "--steps", "15")
     unsharded = number(r"against ([\d,]+) bytes unsharded", out)
     ranks = [number(rf"^  rank {r}: ([\d,]+) bytes", out) for r in (0, 1)]
     # Each rank holds half of AdamW's two moments (and a step count of its own):
@@ -127,7 +91,7 @@ def test_zero_halves_the_state_and_reloads_in_the_other_layout():
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_compression_trains_with_every_hook_and_sends_less():
-    out = torchrun("compression.py", "--steps", "12", "--start-step", "2")
+    out = torchrun("examples/compression.py", "--steps", "12", "--start-step", "2")
     rows = {}
     for name in ("allreduce", "fp16", "bf16", "powersgd", "bf16-powersgd", "quantize"):
         match = re.search(rf"^{name} +([\d.]+) +([\d.]+) +([\d,]+) +([\d.]+) +(\d+)", out, re.M)
@@ -145,7 +109,7 @@ def test_compression_trains_with_every_hook_and_sends_less():
 
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_module_backward_matches_ddp_bit_for_bit():
-    out = torchrun("module_backward.py", "--steps", "20")
+    out = torchrun("examples/module_backward.py", "--steps", "20")
     assert "OK: parameters and buffers equal to DDP's, bit for bit, at all 20 steps" in out
     assert number(r"held-out accuracy ([\d.]+)%", out) > 50  # chance is 25%
     assert "OK: parameters identical on all 2 ranks" in out
@@ -154,7 +118,7 @@ def test_module_backward_matches_ddp_bit_for_bit():
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_diloco_sends_a_sixteenth_and_draws_the_plot(tmp_path):
     plot = tmp_path / "diloco.png"
-    out = torchrun("diloco.py", "--steps", "16", "--inner-steps", "8", "--plot", str(plot))
+    out = torchrun("examples/diloco.py", "--steps", "16", "--inner-steps", "8", "--plot", str(plot))
     rows = {}
     for name in ("ddp", "diloco"):
         match = re.search(rf"^{name} +([\d.]+) +([\d.]+) +(\d+) +([\d.]+)$", out, re.M)

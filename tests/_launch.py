@@ -1,0 +1,55 @@
+"""Launching a script as a user does: ``torchrun --standalone`` on two gloo ranks.
+
+``python -m torch.distributed.run --standalone`` takes a free port per run; this
+repository goes first on ``PYTHONPATH``; a run that outlives its timeout is killed with
+its ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[1]
+RUN_TIMEOUT = 150  # seconds for one torchrun; each test's own timeout is above its runs' total
+
+
+def torchrun(script: str, *args: str, timeout: float = RUN_TIMEOUT) -> str:
+    """Runs ``script`` (a path from the repository's root) on two ranks; returns rank 0's
+    stdout, or fails with the log."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / script),
+        *args,
+    ]
+    # A session of its own, so that a timeout kills the ranks too, not only torchrun.
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{script} {' '.join(args)} ran over {timeout} s:\n{out}\n{err[-4000:]}")
+    assert proc.returncode == 0, f"{script} {' '.join(args)} failed:\n{out}\n{err[-4000:]}"
+    return out
