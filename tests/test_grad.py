@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
@@ -621,8 +622,6 @@ def test_calls_keep_memory_and_threads_flat(world: World):
 
 
 def _on_rank_let_go():
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     rank = dist.get_rank()
     torch.manual_seed(0)
     params = {"a": torch.randn(40, 30), "b": torch.randn(30)}
