@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import pathlib
 import statistics
 import sys
@@ -161,5 +160,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

@@ -60,7 +60,8 @@ def test_smoke_run_writes_every_section(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_timeline_tells_when_each_setting_issued_its_buckets():
-    out = torchrun("benchmarks/timeline.py", "--smoke", "--steps", "2", "--workload", "GPT")
+    args = ("--smoke", "--steps", "2", "--workload", "GPT")
+    out = torchrun("benchmarks/timeline.py", *args, timeout=100)  # killed before the test is
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
     times = {(r[0].strip(), r[1].strip()): [float(x) for x in r[2:]] for r in rows[1:]}
     assert set(times) == {(s, r) for s in ("DDP eager", "fsync.grad_and_value") for r in "01"}
