@@ -19,12 +19,18 @@ ROOT = pathlib.Path(__file__).parents[1]
 RUN_TIMEOUT = 150  # seconds for one torchrun; each test's own timeout is above its runs' total
 
 
-def torchrun(script: str, *args: str, timeout: float = RUN_TIMEOUT) -> str:
-    """Runs ``script`` (a path from the repository's root) on two ranks; returns rank 0's
-    stdout, or fails with the log."""
+def environment() -> dict[str, str]:
+    """This process's environment with the repository first on ``PYTHONPATH`` and one
+    OpenMP thread per rank unless set."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def torchrun(script: str, *args: str, timeout: float = RUN_TIMEOUT) -> str:
+    """Runs ``script`` (a path from the repository's root) on two ranks; returns rank 0's
+    stdout, or fails with the log."""
     command = [
         sys.executable,
         "-m",
@@ -39,7 +45,7 @@ def torchrun(script: str, *args: str, timeout: float = RUN_TIMEOUT) -> str:
     proc = subprocess.Popen(
         command,
         cwd=ROOT,
-        env=env,
+        env=environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

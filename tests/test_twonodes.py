@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+from tests._launch import environment
+
 ROOT = pathlib.Path(__file__).parents[1]
 TWONODES = ROOT.parent / "shared" / "tools" / "twonodes"
 RUN_TIMEOUT = 150  # seconds for one two-node launch (about 15 s eager on 2 loaded cores)
@@ -43,9 +45,6 @@ def twonodes(script: str, *args: str, rate: str = RATE) -> tuple[int, str]:
         pytest.skip(f"no twonodes tool at {TWONODES}")
     if os.geteuid() != 0:
         pytest.skip("twonodes needs root (network namespaces and tc)")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
     torchrun = f"{shlex.quote(sys.executable)} -m torch.distributed.run {LAUNCH}"
     command = " ".join([torchrun, *(shlex.quote(a) for a in (script, *args))])
     # A session of its own, so that a timeout reaches torchrun on both nodes; they stop
@@ -53,7 +52,7 @@ def twonodes(script: str, *args: str, rate: str = RATE) -> tuple[int, str]:
     proc = subprocess.Popen(
         [str(TWONODES), "--rate", rate, "--", command],
         cwd=ROOT,
-        env=env,
+        env=environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
