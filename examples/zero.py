@@ -5,9 +5,10 @@
     torchrun --standalone --nproc-per-node 4 examples/zero.py --checkpoint /tmp/zero.pt
 
 The character-level GPT of ``examples/gpt.py`` trains with
-``step = fsync.ops.zero(fsync.optim.adamw(...))``: per bucket, the gradients
-are reduce-scattered, every rank updates its shard of the parameters with its
-shard of the AdamW state, and the shards are all-gathered
+``step = fsync.ops.zero(fsync.optim.adamw(...))`` and its gradient call
+``step.value_and_step(loss_fn)``: per bucket, as backward completes it, the
+gradients are reduce-scattered, every rank updates its shard of the parameters
+with its shard of the AdamW state, and the shards are all-gathered
 (``--whole-buckets``: each bucket is all-reduced and updated by the one rank
 that owns it, which broadcasts it). The step runs eagerly, or with
 ``--compile`` as one ``fsync.compile`` graph.
@@ -141,16 +142,8 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     print0(step.layout(state).plan)
     report_memory(step, state, params)
 
-    def train_step(
-        params: dict[str, torch.Tensor],
-        state: fsync.ops.ZeroState,
-        x: torch.Tensor,
-        y: torch.Tensor,
-    ) -> tuple[dict[str, torch.Tensor], fsync.ops.ZeroState, torch.Tensor]:
-        grads, loss = torch.func.grad_and_value(loss_fn)(params, x, y)
-        params, state = step(params, grads, state)  # sync, sharded update, gather
-        return params, state, loss
-
+    # One backward that reduce-scatters, updates and all-gathers each bucket as it completes.
+    train_step = step.value_and_step(loss_fn)
     step_fn = train_step if args.no_compile else fsync.compile(train_step)
 
     def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +155,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     progress = tqdm(range(args.steps), disable=rank != 0, desc="train", unit="step")
     first_loss = last_loss = float("nan")
     for i in progress:
-        params, state, loss = step_fn(params, state, *batch(i))
+        (params, loss), state = step_fn(state, params, *batch(i))
         if i % 10 == 0 or i == args.steps - 1:
             last_loss = mean_over_ranks(loss, device)
             first_loss = last_loss if i == 0 else first_loss

@@ -47,12 +47,12 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import optree
 import torch
 
-from fsync import _checks, _comm
+from fsync import _checks, _comm, _tree
 from fsync._agree import Agreed, Agreement, begin, refuse
 from fsync._hook import Hook, SyncContext, hook_spec
 from fsync._options import SyncOptions
@@ -216,6 +216,7 @@ class Buckets:
                 assert slot is not None and not self._arrived[i]
                 self._arrived[i] = True
                 self._missing[slot.bucket] -= 1
+                self._order.note(slot.bucket)
                 if self._missing[slot.bucket] == 0:
                     self._order.record(slot.bucket)
                     self._changed.notify_all()
@@ -257,9 +258,12 @@ class Buckets:
 class _DeviceOrder:
     """On an accelerator, a bucket's collectives wait for the kernels that filled it.
 
-    Autograd fills buckets on its own streams; the starting thread issues on the
-    stream that was current when the call began. On the CPU there is nothing to
-    order.
+    Autograd fills buckets on its own streams (each gradient's copy runs on the stream
+    its forward ran on); the starting thread issues on the stream that was current when
+    the call began. A bucket's leaves may come from several streams (a forward that runs
+    branches on streams of their own): each stream that copied into the bucket gets an
+    event once the bucket is complete, and the issuing stream waits for all of them. On
+    the CPU there is nothing to order.
     """
 
     def __init__(self, plan: BucketPlan) -> None:
@@ -267,17 +271,30 @@ class _DeviceOrder:
         self._cuda = device.type == "cuda"
         self._device = device
         self._stream = torch.cuda.current_stream(device) if self._cuda else None
-        self._events: dict[int, Any] = {}
+        self._writers: dict[int, set[Any]] = {}
+        self._events: dict[int, list[Any]] = {}
+
+    def note(self, bucket: int) -> None:
+        """A leaf of ``bucket`` was just copied in, on the current stream."""
+        if self._cuda:
+            self._writers.setdefault(bucket, set()).add(torch.cuda.current_stream(self._device))
 
     def record(self, bucket: int) -> None:
+        """``bucket`` is complete: an event on every stream that wrote into it."""
         if self._cuda:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(self._device))
-            self._events[bucket] = event
+            streams = self._writers.pop(bucket, set())
+            streams.add(torch.cuda.current_stream(self._device))
+            events = []
+            for stream in streams:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+                events.append(event)
+            self._events[bucket] = events
 
     def wait(self, bucket: int) -> None:
         if self._cuda and self._stream is not None:
-            self._stream.wait_event(self._events.pop(bucket))
+            for event in self._events.pop(bucket):
+                self._stream.wait_event(event)
 
     def stream(self) -> Any:
         """The stream the starting thread issues on (nothing to enter on the CPU)."""
@@ -483,10 +500,25 @@ class TorchFunc(NamedTuple):
         return (grads, output[1]) if self.has_aux else grads
 
     def compiled(self, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        """``torch.func.grad_and_value(fn)(*args, **kwargs)``: what a compiled step traces."""
-        call = torch.func.grad_and_value(self.fn, self.argnums, self.has_aux)
-        grads, output = call(*args, **kwargs)
-        return grads, output
+        """``torch.func.grad_and_value(fn)(*args, **kwargs)``: what a compiled step traces.
+
+        ``None`` leaves of the differentiated arguments, which ``torch.func``
+        refuses, stay ``None``, and so do their gradients (as eagerly).
+        """
+        leaves, spec = _tree.flatten(self.differentiated(args))
+        if all(leaf is not None for leaf in leaves):
+            call = torch.func.grad_and_value(self.fn, self.argnums, self.has_aux)
+            grads, output = call(*args, **kwargs)
+            return grads, output
+
+        def rebuild(tensors: Sequence[Any]) -> Any:
+            given = iter(tensors)
+            return _tree.unflatten(spec, [None if x is None else next(given) for x in leaves])
+
+        forward = self.forward(args, kwargs, rebuild)
+        tensors = [leaf for leaf in leaves if leaf is not None]
+        grads, output = torch.func.grad_and_value(forward, has_aux=self.has_aux)(tensors)
+        return rebuild(grads), output
 
 
 def _tell(error: Exception, group: _comm.Group) -> None:
@@ -502,11 +534,21 @@ def _tell(error: Exception, group: _comm.Group) -> None:
         refuse(told, group)
 
 
-class Backward(NamedTuple):
-    """What one eager gradient call returns: synced gradients (as leaves) and ``fn``'s output."""
+_R = TypeVar("_R", covariant=True)
 
-    reduced: Reduced
-    output: Any
+
+class Stages(Protocol[_R]):
+    """What happens to one gradient call's buckets (``Reducer`` is the sync's).
+
+    Made by ``synced_backward`` once the ranks' agreement is issued, as
+    ``stages(plan, hook, hook_state, group, agreement)``; ``start(k, buffer)``
+    runs on the starter thread for each complete bucket in plan order (the first
+    concludes the agreement), ``finish()`` on the caller's thread after backward.
+    """
+
+    def start(self, k: int, buffer: torch.Tensor) -> None: ...
+
+    def finish(self) -> _R: ...
 
 
 def synced_backward(
@@ -520,12 +562,17 @@ def synced_backward(
     *,
     step: torch.Tensor | None = None,
     state_fingerprint: torch.Tensor | None = None,
-) -> Backward:
+    stages: Callable[[BucketPlan, Hook, Any, _comm.Group, Agreement], Stages[_R]],
+) -> tuple[_R, Any]:
     """``fn`` on differentiable copies of ``leaves``, one backward of ``value_of(output)``
-    that syncs as it runs, and the reduced buckets of the plan.
+    that syncs as it runs: what ``stages`` made of the plan's buckets, and ``fn``'s output.
 
     ``fn(differentiable_leaves)`` is the forward pass; ``leaves`` fit ``plan``
-    (its tensor leaves, in flatten order).
+    (its tensor leaves, in flatten order). ``stages`` says what happens to the
+    complete buckets: ``Reducer`` reduces them, as
+    [fsync.grad_and_value][] does; the ZeRO step's gradient call updates and
+    gathers them too. It receives the hook to run, which is the options' hook
+    or, where DDP's mean is fused into the copy, a sum (``_fused_mean``).
     """
     try:
         _checks.check_differentiable(plan)
@@ -549,7 +596,7 @@ def synced_backward(
     start = _comm.sequence_number(group)
     agreement = begin(plan, has, group, terms_)
     scale = _fused_mean(hook, options, plan, group)
-    reducer = Reducer(plan, hook if scale is None else _SUM, hook_state, group, agreement)
+    reducer = stages(plan, hook if scale is None else _SUM, hook_state, group, agreement)
     buckets = Buckets(plan, reducer.start, scale)
     indices = [i for i, x in enumerate(inputs) if x is not None]
     buckets.skip([i for i, used in zip(indices, has, strict=True) if not used])
@@ -567,6 +614,6 @@ def synced_backward(
     try:
         buckets.close()
         buckets.join()
-        return Backward(reducer.finish(), output)
+        return reducer.finish(), output
     except _comm.CollectiveError as failure:
         raise _comm.named(failure, group, start, step=step) from failure

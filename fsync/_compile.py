@@ -15,10 +15,13 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 # later gradients are computed. "raise_comms" schedules, before each collective, exactly
 # what it needs (the ranks' agreement, the forward pass, the backward pass up to the kernel
 # that writes the bucket's last gradient, the pack) and everything else after it. It never
-# moves one collective past another, and what no collective needs (fsync::broadcasts after
-# the ZeRO update, say: to inductor a custom op, not a collective) comes after the last
-# collective on every rank. The peak-memory ordering that runs before these passes may
-# instead put the agreement, and so every pack behind it, after the whole input-gradient
+# moves one collective past another (inductor chains the c10d collectives in graph order),
+# and what no collective needs comes after the last collective on every rank. A custom op
+# that communicates (fsync::agree) is not a collective to inductor: it is ordered by what
+# it needs and what needs it, which is why a ZeRO owner's broadcast is a c10d collective
+# whose input every rank computes alike (``_zero_stages``), not an opaque op. The
+# peak-memory ordering that runs before these passes may instead put the agreement, and
+# so every pack behind it, after the whole input-gradient
 # chain: on the benchmark GPT the first of 20 all-reduces was issued after 67 of the step's
 # 93 matrix-product and attention kernels, with "raise_comms" after 31, the forward pass
 # (inductor's peak-memory estimate is the same). "sink_waits_iterative" then moves each

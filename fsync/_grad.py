@@ -25,7 +25,7 @@ from typing_extensions import Unpack
 
 from fsync import _checks, _comm, _planner, _tree
 from fsync._agree import refuse
-from fsync._backward import TorchFunc, synced_backward
+from fsync._backward import Reducer, TorchFunc, synced_backward
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._planner import Planned
 from fsync._reduce import init_hook, sync_tree, unpack_reduced
@@ -112,7 +112,7 @@ def grad_and_value(
                 raise ValueError(_checks.STATEFUL_HOOK)
         except (ValueError, TypeError) as error:
             refuse(error, group)  # every rank raises it
-        done = synced_backward(
+        reduced, output = synced_backward(
             settings.forward(args, kwargs, rebuild),
             settings.value,
             leaves,
@@ -120,8 +120,9 @@ def grad_and_value(
             sync_options,
             state,
             group,
+            stages=Reducer,
         )
-        return settings.result(rebuild(unpack_reduced(done.reduced, plan)), done.output)
+        return settings.result(rebuild(unpack_reduced(reduced, plan)), output)
 
     return call
 
@@ -202,7 +203,7 @@ def stateful(
                 leaves, plan, rebuild = fit(settings.differentiated(args), state)
             except (ValueError, TypeError) as error:
                 refuse(error, sync.group)  # every rank raises it
-            done = synced_backward(
+            reduced, output = synced_backward(
                 settings.forward(args, kwargs, rebuild),
                 settings.value,
                 leaves,
@@ -212,10 +213,11 @@ def stateful(
                 sync.group,
                 step=state.step,
                 state_fingerprint=state.fingerprint,
+                stages=Reducer,
             )
-            grads = rebuild(unpack_reduced(done.reduced, plan))
-            state = state._replace(hook=done.reduced.hook_state, step=state.step + 1)
-            result = settings.result(grads, done.output)
+            grads = rebuild(unpack_reduced(reduced, plan))
+            state = state._replace(hook=reduced.hook_state, step=state.step + 1)
+            result = settings.result(grads, output)
         return (result if value else settings.grad(result)), state
 
     return call

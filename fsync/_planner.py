@@ -279,18 +279,17 @@ def _as_key(structure: Structure) -> Structure:
     return structure
 
 
-@python_at_trace_time
 def _plan_and_fit(
     held: Structure,
     held_metas: tuple[_Meta | None, ...],
-    options: tuple[Any, ...],
+    options: PlanOptions,
     device: torch.device | None,
     structure: Structure,
     metas: tuple[_Meta | None, ...],
     what: str,
 ) -> BucketPlan:
-    """The plan of a held tree, checked against a tree's metadata, at trace time."""
-    plan = _cached_plan(_as_key(held), held_metas, PlanOptions(*options), "tree", device)
+    """The plan of a held tree (cached), checked against a tree's metadata; eagerly."""
+    plan = _cached_plan(_as_key(held), held_metas, options, "tree", device)
     _fits(plan, _treespec(_as_key(structure)), metas, what)
     return plan
 
@@ -312,16 +311,7 @@ def plan_tree(
     leaves, structure, rebuild = _flatten(tree, what)
     metas = _metas(leaves)
     if torch.compiler.is_compiling():
-        # Python plans at trace time, all but DDP's loop over the sizes: a size that
-        # changed between compilations reaches dynamo symbolic (automatic dynamic), and
-        # a symbolic value cannot enter a constant function. The loop is traced, its
-        # comparisons becoming guards; what it assigns is constant again.
-        key = (structure, metas, (None, None, *options[2:]), what, device)
-        assigned = None
-        if options.buckets is None:
-            limits = size_limits(options.bucket_cap_mb, options.first_bucket_mb)
-            assigned = assign(*_columns_of(key), limits)
-        plan = _plan_assigned(key, assigned)
+        plan = _plan_assigned(*_traced_assignment(structure, metas, options, what, device))
     else:
         plan = _cached_plan(structure, metas, options, what, device)
     return Planned(leaves, plan, rebuild)
@@ -332,6 +322,25 @@ def plan_tree(
 _Key = tuple[Structure, tuple[_Meta | None, ...], tuple[Any, ...], str, torch.device | None]
 
 
+def _traced_assignment(
+    structure: Structure,
+    metas: tuple[_Meta | None, ...],
+    options: PlanOptions,
+    what: str,
+    device: torch.device | None,
+) -> tuple[_Key, list[tuple[int, ...]] | None]:
+    """Under torch.compile, Python plans at trace time all but DDP's loop over the sizes:
+    a size that changed between compilations reaches dynamo symbolic (automatic dynamic),
+    and a symbolic value cannot enter a constant function. The loop is traced, its
+    comparisons becoming guards; what it assigns (and the key without the sizes) is
+    constant again, for ``_plan_assigned``."""
+    key = (structure, metas, (None, None, *options[2:]), what, device)
+    if options.buckets is not None:
+        return key, None
+    limits = size_limits(options.bucket_cap_mb, options.first_bucket_mb)
+    return key, assign(*_columns_of(key), limits)
+
+
 @python_at_trace_time
 def _columns_of(key: _Key) -> tuple[tuple[Any, ...], tuple[int, ...], tuple[bool, ...]]:
     structure, metas, options, what, device = key
@@ -340,13 +349,22 @@ def _columns_of(key: _Key) -> tuple[tuple[Any, ...], tuple[int, ...], tuple[bool
 
 
 @python_at_trace_time
-def _plan_assigned(key: _Key, assigned: list[tuple[int, ...]] | None) -> BucketPlan:
+def _plan_assigned(
+    key: _Key,
+    assigned: list[tuple[int, ...]] | None,
+    fit: tuple[Structure, tuple[_Meta | None, ...], str] | None = None,
+) -> BucketPlan:
+    """The plan of ``key`` with the buckets ``assigned``; with ``fit`` (a tree's structure,
+    its leaves' metadata and what it is), checked to fit that tree."""
     structure, metas, options, what, device = key
     treespec, specs = _leaf_specs(_as_key(structure), metas, what, device)
-    if assigned is None:
-        return _checked(BucketPlan(treespec, specs, options[4], options[2]), what)
-    buckets = in_leaf_indices(assigned, _sequence(specs, options[3]))
-    return _checked(BucketPlan(treespec, specs, buckets, options[2]), what)
+    buckets = options[4]
+    if assigned is not None:
+        buckets = in_leaf_indices(assigned, _sequence(specs, options[3]))
+    plan = _checked(BucketPlan(treespec, specs, buckets, options[2]), what)
+    if fit is not None:
+        _fits(plan, _treespec(_as_key(fit[0])), fit[1], fit[2])
+    return plan
 
 
 def _fits(plan: BucketPlan, treespec: Any, metas: tuple[_Meta | None, ...], what: str) -> None:
@@ -580,5 +598,9 @@ def fit_like(
     device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
     device = device or default_device()
     held_metas = _metas(held_leaves)
-    plan = _plan_and_fit(held_structure, held_metas, tuple(options), device, structure, metas, what)
+    if torch.compiler.is_compiling():
+        assignment = _traced_assignment(held_structure, held_metas, options, "tree", device)
+        plan = _plan_assigned(*assignment, (structure, metas, what))
+    else:
+        plan = _plan_and_fit(held_structure, held_metas, options, device, structure, metas, what)
     return Planned(leaves, plan, rebuild)

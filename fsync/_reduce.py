@@ -307,8 +307,9 @@ def reduce_within(buffers: list[torch.Tensor], within: _comm.Group | None) -> li
     if within is None:
         return buffers
     local = _comm.size(within)
-    # Issue every reduce-scatter before waiting on the first.
-    pending = [_comm.reduce_scatter(_pack.pad_to_shards(b, local), "sum", within) for b in buffers]
+    # Every reduce-scatter issued before the first is waited for.
+    padded = (_pack.pad_to_shards(b, local) for b in buffers)
+    pending = _comm.reduce_scatters(padded, "sum", within)
     return [_comm.wait(s, _WITHIN) for s in pending]
 
 
@@ -364,9 +365,21 @@ def start_bucket(buffer: torch.Tensor, hook: Hook, state: Any, ctx: SyncContext)
 
     ``ctx.buckets`` names the bucket alone (``alone(ctx, k)``); ``state`` is the
     hook's (which holds no tensors: it is the same for every bucket). On a 2-D
-    mesh buckets go through a ``Pipeline`` instead.
+    mesh buckets go through a ``Pipeline`` instead. A collective that the hook
+    waits for itself (a reduce-scatter on gloo, a compressing hook's cast back)
+    and that fails is named as the bucket's.
     """
-    out, _ = start_hook([buffer], hook, state, ctx)
+    if torch.compiler.is_compiling():
+        return start_hook([buffer], hook, state, ctx)[0][0]
+    try:
+        out, _ = start_hook([buffer], hook, state, ctx)
+    except _comm.CollectiveError as failure:
+        if failure.stage:
+            raise
+        stage = _stage(ctx, 0, "the hook's collectives")
+        raise _comm.CollectiveError(
+            _comm.COLLECTIVE_FAILED, stage=stage, backend=failure.backend
+        ) from failure
     return out[0]
 
 
@@ -409,7 +422,7 @@ class Pipeline:
         self._cross = cross_context(ctx, across, within)
         self._started: list[torch.Tensor] = []
         self._crossing: list[torch.Tensor] = []
-        self._gathering: list[torch.Tensor] = []
+        self._gathering: list[_comm.Issued] = []
 
     def push(self, started: torch.Tensor) -> None:
         """The next bucket, in plan order: its shard, reduced within the node or on its way."""

@@ -14,306 +14,53 @@ calling the same reduce:
   owned whole by one rank, chosen by size so that ranks hold similar amounts.
   Gradients are all-reduced, the owner updates the bucket and broadcasts it.
 
-Which rank updates which elements is a pure value, ``ZeroLayout``,
-computed from the plan, the world size, the rank and the mode. The step object
-holds settings only; the state holds tensors, the parameter tree's metadata
-included, so the first call already updates the parameters and there are no
-warm-up iterations.
+Which rank updates which elements is a pure value, ``ZeroLayout``
+(``_zero_layout``), computed from the plan, the world size, the rank and the
+mode. The step object holds settings only; the state holds tensors, the
+parameter tree's metadata included, so the first call already updates the
+parameters and there are no warm-up iterations.
 
-Owns: the sharded step, its layout and its checkpoints. May import: every layer
+Per bucket the step is three stages, reduce, update, gather (``_zero_stages``).
+The step after the gradients exist issues every bucket's reduce, then updates
+and gathers bucket after bucket. The ZeRO step's own gradient call
+(``ZeroStep.value_and_step``, eager) runs them during backward instead, as
+torch's ``hook_with_zero_step`` does with DDP's buckets: one backward whose
+autograd hooks pack each gradient into its bucket (``_backward``), and as each
+bucket completes, in plan order on every rank and after the ranks' agreement,
+its reduce is issued and the bucket before it is updated and gathered.
+
+Owns: the ZeRO step's entry points and its checkpoints. May import: every layer
 below (1 to 6) and ``fsync.optim``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from fsync import _checks, _comm, _pack, _planner, _tree
-from fsync._agree import planned, refuse, verify_plan
+from fsync._agree import Agreement, planned, refuse, verify_plan
+from fsync._backward import TorchFunc, synced_backward
 from fsync._hook import Hook
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan
-from fsync._reduce import agree_and_pack, context, hook_of, init_hook, reduce_dense
-from fsync._serialization import register_state
+from fsync._reduce import agree_and_pack, context, dense, hook_of, init_hook
+from fsync._zero_layout import (
+    ZeroLayout,
+    ZeroState,
+    check_state,
+    gather,
+    pack_range,
+    shard_full,
+    zero_layout,
+)
+from fsync._zero_stages import ZeroPipeline
 from fsync.optim._base import Optimizer
 
 _META = torch.device("meta")
-
-_GATHER_FIX = (
-    "Gather it with fsync.ops.zero_state_dict(state, step) on the world that made it and shard "
-    "the result for this world with ZeroStep.load(params, full_state)."
-)
-
-
-@register_state
-class ZeroState(NamedTuple):
-    """This rank's state of a [fsync.ops.ZeroStep][].
-
-    Attributes:
-        layout: 1-D int64 CPU tensor ``[plan fingerprint, world size, rank,
-            shard_buckets]``: what the state was sharded for, so that it is never
-            used with another plan, world or rank.
-        hook: The gradient hook's state (``()`` for stateless hooks).
-        opt: The optimizer's state over this rank's pieces: a list with one
-            flat tensor per bucket shard (``shard_buckets=True``) or per owned
-            bucket (``shard_buckets=False``) wherever the optimizer keeps
-            per-parameter state, and the optimizer's other entries (its step
-            count) as they are.
-        like: The parameter tree, each leaf a meta tensor of its shape, strides
-            and dtype (no memory): what the plan is rebuilt from.
-        step: 0-d int64 CPU tensor, the number of steps done: the sequence
-            number the ranks compare at every step.
-    """
-
-    layout: torch.Tensor
-    hook: Any
-    opt: Any
-    like: Any
-    step: torch.Tensor
-
-
-class Piece(NamedTuple):
-    """The elements ``[lo, hi)`` of bucket ``bucket`` (``hi`` may pass its end: padding)."""
-
-    bucket: int
-    lo: int
-    hi: int
-
-
-class ZeroLayout(NamedTuple):
-    """Which elements of which buckets this rank updates: a pure value.
-
-    Attributes:
-        plan: The bucket plan of the parameters.
-        world_size: The number of ranks.
-        rank: This rank.
-        shard_buckets: Whether buckets are sharded (``True``) or owned whole.
-        owners: The rank that owns each bucket with ``shard_buckets=False``
-            (empty when sharded).
-        pieces: This rank's pieces, in bucket order.
-    """
-
-    plan: BucketPlan
-    world_size: int
-    rank: int
-    shard_buckets: bool
-    owners: tuple[int, ...]
-    pieces: tuple[Piece, ...]
-
-    def tensor(self) -> torch.Tensor:
-        """``[plan fingerprint, world size, rank, shard_buckets]`` as a state keeps it."""
-        values = [self.plan.fingerprint, self.world_size, self.rank, int(self.shard_buckets)]
-        return torch.tensor(values, dtype=torch.int64)
-
-    def is_pieces(self, x: Any) -> bool:
-        """Whether ``x`` is a list of tensors shaped like this rank's pieces."""
-        return (
-            type(x) is list
-            and len(x) == len(self.pieces)
-            and all(
-                isinstance(t, torch.Tensor) and tuple(t.shape) == (p.hi - p.lo,)
-                for t, p in zip(x, self.pieces, strict=True)
-            )
-        )
-
-    def meta_pieces(self) -> list[torch.Tensor]:
-        """Memory-less tensors shaped like this rank's pieces (for optimizer templates)."""
-        specs = self.plan.specs
-        return [
-            torch.empty(p.hi - p.lo, dtype=specs[p.bucket].dtype, device=_META) for p in self.pieces
-        ]
-
-
-def owners_by_size(nbytes: Sequence[int], world_size: int) -> tuple[int, ...]:
-    """The rank owning each bucket: largest bucket first, to the least loaded rank.
-
-    Deterministic (ties go to the lower bucket index, then the lower rank), so
-    every rank computes the same owners from the same plan.
-    """
-    load = [0] * world_size
-    owners = [0] * len(nbytes)
-    for b in sorted(range(len(nbytes)), key=lambda b: (-nbytes[b], b)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
-        owners[b] = rank
-        load[rank] += nbytes[b]
-    return tuple(owners)
-
-
-def zero_layout(plan: BucketPlan, world_size: int, rank: int, shard_buckets: bool) -> ZeroLayout:
-    """The ``ZeroLayout`` of a plan for one rank of a world."""
-    numels = tuple(spec.numel for spec in plan.specs)
-    nbytes = tuple(spec.nbytes for spec in plan.specs)
-    owners, pieces = _assign_pieces(numels, nbytes, world_size, rank, shard_buckets)
-    return ZeroLayout(
-        plan, world_size, rank, shard_buckets, owners, tuple(Piece(*p) for p in pieces)
-    )
-
-
-@_planner.python_at_trace_time
-def _assign_pieces(
-    numels: tuple[int, ...],
-    nbytes: tuple[int, ...],
-    world_size: int,
-    rank: int,
-    shard_buckets: bool,
-) -> tuple[tuple[int, ...], tuple[tuple[int, int, int], ...]]:
-    """Bucket owners and this rank's ``(bucket, lo, hi)`` pieces, as Python at trace time."""
-    if shard_buckets:
-        shards = [_pack.shard_numel(n, world_size) for n in numels]
-        return (), tuple((b, rank * n, (rank + 1) * n) for b, n in enumerate(shards))
-    owners = owners_by_size(nbytes, world_size)
-    return owners, tuple((b, 0, n) for b, n in enumerate(numels) if owners[b] == rank)
-
-
-def pack_range(
-    leaves: Sequence[Any], plan: BucketPlan, piece: Piece, dtype: torch.dtype
-) -> torch.Tensor:
-    """Elements ``[lo, hi)`` of a bucket packed from ``leaves`` in ``dtype``, zeros past its end.
-
-    Only the leaves that overlap the range are read, so a rank never copies
-    the whole bucket to get its shard; the result never shares memory with them.
-    """
-    spec = plan.specs[piece.bucket]
-    parts = []
-    for i, offset, size in zip(spec.leaves, spec.offsets, spec.sizes, strict=True):
-        start, stop = max(piece.lo, offset), min(piece.hi, offset + size)
-        if start < stop:
-            leaf_spec = plan.leaves[i]
-            assert leaf_spec is not None
-            parts.append(_pack.flat(leaves[i], leaf_spec, dtype)[start - offset : stop - offset])
-    padding = piece.hi - max(piece.lo, spec.numel)
-    if padding > 0 or not parts:
-        parts.append(torch.zeros(max(padding, 0), dtype=dtype, device=spec.device))
-    return torch.cat(parts).to(spec.device)
-
-
-def _gather(
-    layout: ZeroLayout,
-    pieces: Sequence[torch.Tensor],
-    group: _comm.Group,
-    dtypes: Sequence[torch.dtype],
-) -> list[torch.Tensor]:
-    """Every bucket whole on every rank, from each rank's pieces of it (eager or traced)."""
-    specs = layout.plan.specs
-    if layout.shard_buckets:
-        # Issue every all-gather before waiting on the first.
-        gathered = [_comm.all_gather(piece, group) for piece in pieces]
-        return [_comm.wait(g)[: spec.numel] for g, spec in zip(gathered, specs, strict=True)]
-    mine = iter(pieces)
-    sent = [
-        next(mine)
-        if owner == layout.rank
-        else torch.empty(spec.numel, dtype=dtype, device=spec.device)
-        for owner, spec, dtype in zip(layout.owners, specs, dtypes, strict=True)
-    ]
-    return _comm.broadcasts(sent, list(layout.owners), group)
-
-
-def _reduced_pieces(
-    step: ZeroStep, grads: Sequence[torch.Tensor | None], layout: ZeroLayout, state: ZeroState
-) -> tuple[list[torch.Tensor], Any]:
-    """The gradients' mean over the ranks, this rank's pieces of it; the hook's new state."""
-    agreed, buckets = agree_and_pack(
-        grads,
-        layout.plan,
-        step.options,
-        step.group,
-        hook_state=state.hook,
-        step=state.step,
-        state_fingerprint=state.layout[0],
-    )
-    # Each rank needs only its shard of a bucket: the hook may reduce-scatter it.
-    ctx = context(layout.plan, step.group, agreed.divisor, scatter=step.shard_buckets)
-    reduced, hook_state = reduce_dense(buckets, step.hook, state.hook, ctx)
-    return _grad_pieces(layout, reduced), hook_state
-
-
-def _grad_pieces(layout: ZeroLayout, reduced: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    pieces = []
-    for p in layout.pieces:
-        buffer, spec = reduced[p.bucket], layout.plan.specs[p.bucket]
-        if layout.shard_buckets and buffer.numel() == spec.numel:
-            # A hook that returned the whole bucket (PowerSGD, ...): take our shard.
-            # Were it a one-element shard instead, the two readings agree.
-            buffer = _pack.shard_of(buffer, layout.rank, layout.world_size)
-        pieces.append(buffer)
-    return pieces
-
-
-def _check_pieces(layout: ZeroLayout, new_pieces: Any) -> None:
-    if not isinstance(new_pieces, list | tuple) or len(new_pieces) != len(layout.pieces):
-        raise ValueError(
-            "optimizer.update must return the parameters with the structure it was given "
-            f"(a list of {len(layout.pieces)} flat tensors); got {type(new_pieces).__name__}."
-        )
-    for piece, p in zip(new_pieces, layout.pieces, strict=True):
-        spec = layout.plan.specs[p.bucket]
-        if tuple(piece.shape) != (p.hi - p.lo,) or piece.dtype != spec.dtype:
-            raise ValueError(
-                f"optimizer.update returned a piece of bucket {p.bucket} with shape "
-                f"{tuple(piece.shape)} and dtype {piece.dtype}; expected "
-                f"({p.hi - p.lo},) and {spec.dtype}."
-            )
-
-
-def _check_state(layout: ZeroLayout, state: Any) -> None:
-    """Raises unless ``state`` was made for this layout's plan, world, mode and rank."""
-    if torch.compiler.is_compiling():
-        return
-    fingerprint, world_size, rank, sharded = (int(v) for v in state.layout.tolist())
-    if fingerprint != layout.plan.fingerprint:
-        raise ValueError(
-            "state belongs to another plan (its fingerprint differs): it was made for "
-            "another parameter tree or other bucket sizes. Pass the state this ZeroStep's "
-            "init or load returned."
-        )
-    if world_size != layout.world_size:
-        raise ValueError(
-            f"state was sharded for a world of {world_size} ranks, but this group has "
-            f"{layout.world_size}. {_GATHER_FIX}"
-        )
-    if bool(sharded) != layout.shard_buckets:
-        raise ValueError(
-            f"state was made with shard_buckets={bool(sharded)} but this step has "
-            f"shard_buckets={layout.shard_buckets}. {_GATHER_FIX}"
-        )
-    if rank != layout.rank:
-        raise ValueError(
-            f"state holds rank {rank}'s part, but this is rank {layout.rank}; every rank "
-            "must pass its own state."
-        )
-
-
-def _shard_full(layout: ZeroLayout, optimizer: Optimizer, full_state: Any) -> Any:
-    """This rank's pieces of a full optimizer state (every per-parameter slot cut up)."""
-    plan = layout.plan
-    meta_params = _tree.unflatten(
-        plan.treespec,
-        [
-            None if leaf is None else torch.empty(leaf.shape, dtype=leaf.dtype, device=_META)
-            for leaf in plan.leaves
-        ],
-    )
-    _checks.check_full_state(full_state, optimizer.init(meta_params))
-    template_slots, slot_spec = _tree.flatten(
-        optimizer.init(layout.meta_pieces()), is_leaf=layout.is_pieces
-    )
-    local: list[Any] = []
-    for slot, template in zip(slot_spec.flatten_up_to(full_state), template_slots, strict=True):
-        if not layout.is_pieces(template):
-            local.append(slot)
-            continue
-        leaves, _ = _tree.flatten(slot)
-        local.append(
-            [
-                pack_range(leaves, plan, p, t.dtype)
-                for p, t in zip(layout.pieces, template, strict=True)
-            ]
-        )
-    return _tree.unflatten(slot_spec, local)
 
 
 def _layout_of(step: ZeroStep, plan: BucketPlan) -> ZeroLayout:
@@ -336,7 +83,7 @@ def _fit(step: ZeroStep, params: Any, state: Any, what: str) -> tuple[_planner.P
         default_device=lambda: _comm.default_device(step.group),
     )
     layout = _layout_of(step, planned.plan)
-    _check_state(layout, state)
+    check_state(layout, state)
     return planned, layout
 
 
@@ -362,17 +109,15 @@ def _plan_params(step: ZeroStep, params: Any) -> tuple[list[Any], ZeroLayout]:
 class ZeroStep:
     """A ZeRO optimizer step over buckets; build it with [fsync.ops.zero][].
 
-    The object holds settings only. ``init(params)`` plans the buckets, checks
-    across ranks that everyone has the same parameter tree, and returns this
-    rank's [fsync.ops.ZeroState][]. Calling the object with ``(params, grads,
-    state)`` syncs the gradients (through the same reduce as
-    [fsync.sync_grads][]), updates this rank's part of the parameters and
-    returns the full new parameters on every rank, with the new state. Nothing
-    passed in is modified.
+    The object holds settings only; ``init(params)`` makes this rank's
+    [fsync.ops.ZeroState][]. ``value_and_step(loss_fn)`` is the gradient call
+    that steps during backward, calling the object steps after it; both return
+    the full new parameters on every rank and the new state.
 
     Attributes:
         optimizer: The [fsync.optim.Optimizer][] applied to the pieces.
         options: The sync options (hook and bucket sizes).
+        hook: The hook the gradient buckets go through (the default filled in).
         shard_buckets: Whether buckets are sharded (``True``) or owned whole.
         group: The process group.
     """
@@ -388,13 +133,9 @@ class ZeroStep:
         _checks.check_optimizer(optimizer)
         self.optimizer = optimizer
         self.options = options
+        self.hook: Hook = hook_of(options)
         self.shard_buckets = bool(shard_buckets)
         self.group = group
-
-    @property
-    def hook(self) -> Hook:
-        """The hook the gradient buckets go through (the default filled in)."""
-        return hook_of(self.options)
 
     def layout(self, state: ZeroState, /) -> ZeroLayout:
         """The ``ZeroLayout`` of ``state``: its plan, owners and pieces."""
@@ -417,13 +158,7 @@ class ZeroStep:
         leaves, layout = _plan_params(self, params)
         plan = layout.plan
         pieces = [pack_range(leaves, plan, p, plan.specs[p.bucket].dtype) for p in layout.pieces]
-        return ZeroState(
-            layout.tensor(),
-            init_hook(self.options, plan, self.group),
-            self.optimizer.init(pieces),
-            _planner.like(params),
-            torch.zeros((), dtype=torch.int64),
-        )
+        return _fresh(self, params, layout, self.optimizer.init(pieces))
 
     def load(self, params: Any, full_state: Any, /) -> ZeroState:
         """This rank's state for ``params``, sharded from a full optimizer state.
@@ -445,23 +180,9 @@ class ZeroStep:
             ValueError: ``full_state`` does not have the structure, shapes and
                 dtypes of this optimizer's state for these parameters, or the
                 ranks' parameter trees differ.
-
-        Example:
-            >>> import torch, fsync
-            >>> params = {"w": torch.ones(3)}
-            >>> step = fsync.ops.zero(fsync.optim.adam(0.1))
-            >>> state = step.init(params)
-            >>> full = fsync.ops.zero_state_dict(state, step)
-            >>> state = step.load(params, full)
         """
         _, layout = _plan_params(self, params)
-        return ZeroState(
-            layout.tensor(),
-            init_hook(self.options, layout.plan, self.group),
-            _shard_full(layout, self.optimizer, full_state),
-            _planner.like(params),
-            torch.zeros((), dtype=torch.int64),
-        )
+        return _fresh(self, params, layout, shard_full(layout, self.optimizer, full_state))
 
     def __call__(self, params: Any, grads: Any, state: ZeroState, /) -> tuple[Any, ZeroState]:
         """One optimizer step: sync ``grads``, update the parameters, gather them.
@@ -482,31 +203,182 @@ class ZeroStep:
                 requires grad, or ``state`` was made for another plan, world or rank.
         """
         try:
-            (p_leaves, plan, rebuild), layout = _fit(self, params, state, "params")
-            for leaf, spec in zip(p_leaves, plan.leaves, strict=True):
-                if leaf is None and spec is not None:
-                    raise ValueError(
-                        f"params leaf {spec.path!r} is None, but the plan holds a parameter "
-                        "there; pass the parameter tree given to init."
-                    )
+            (p_leaves, plan, rebuild), layout = _fit_params(self, params, state)
             g_leaves = _fit(self, grads, state, "grads")[0].leaves
         except (ValueError, TypeError) as error:
             return refuse(error, self.group, like=(params, state))  # type: ignore[no-any-return]
-        grad_pieces, hook_state = _comm.naming(
-            lambda: _reduced_pieces(self, g_leaves, layout, state), self.group, step=state.step
+        buffers, opt_state, hook_state = _comm.naming(
+            lambda: _stepped(self, p_leaves, g_leaves, layout, state), self.group, step=state.step
         )
-        specs = plan.specs
-        param_pieces = [pack_range(p_leaves, plan, p, specs[p.bucket].dtype) for p in layout.pieces]
-        new_pieces, opt_state = self.optimizer.update(param_pieces, grad_pieces, state.opt)
-        _check_pieces(layout, new_pieces)
-        buffers = _comm.naming(
-            lambda: _gather(layout, new_pieces, self.group, [spec.dtype for spec in specs]),
-            self.group,
-            step=state.step,
-        )
-        out = _pack.unpack_leaves(buffers, plan)
         new_state = state._replace(hook=hook_state, opt=opt_state, step=state.step + 1)
-        return rebuild(out), new_state
+        return rebuild(_pack.unpack_leaves(buffers, plan)), new_state
+
+    def value_and_step(
+        self, fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False
+    ) -> Callable[..., tuple[tuple[Any, Any], ZeroState]]:
+        """The ZeRO step's own gradient call: one backward that steps as it runs.
+
+        ``(params, loss), state = step.value_and_step(loss_fn)(state, params, batch)``
+        is ``step(params, torch.func.grad(loss_fn)(params, batch), state)`` (the same
+        bits where ``torch.func``'s gradients are autograd's) in one backward pass
+        that reduces, updates and gathers each bucket as backward completes it, as
+        torch's ``hook_with_zero_step`` does (the guide "ZeRO" says how). Under
+        ``torch.compile`` it is ``torch.func.grad_and_value`` and the step.
+
+        Args:
+            fn: The loss: returns a scalar tensor (or ``(value, aux)`` with
+                ``has_aux``); argument ``argnums`` is the parameter tree given to
+                [init][fsync.ops.ZeroStep.init].
+            argnums: The positional argument of ``fn`` holding the parameters (or
+                a tuple of them, their tuple being the tree).
+            has_aux: ``fn`` returns ``(value, aux)``; ``aux`` is passed through.
+
+        Returns:
+            A function ``(state, *args, **kwargs) -> ((params, value), state)``
+            (``(params, (value, aux))`` with ``has_aux``): the updated parameters
+            (the same on every rank) and ``fn``'s value, detached.
+
+        Raises:
+            TypeError: ``argnums`` is not an int or a tuple of ints, or (at call
+                time) ``state`` is no ZeroState or a parameter not floating point.
+            ValueError: (at call time) the parameters do not fit the state's plan,
+                ``fn`` returns no scalar, or the ranks differ (on every rank).
+
+        Example:
+            >>> import torch, fsync
+            >>> step = fsync.ops.zero(fsync.optim.sgd(0.5))
+            >>> state = step.init({"w": torch.ones(2)})
+            >>> call = step.value_and_step(lambda p, x: (p["w"] * x).sum())
+            >>> (params, loss), state = call(state, {"w": torch.ones(2)}, torch.ones(2))
+            >>> params["w"], loss
+            (tensor([0.5000, 0.5000]), tensor(2.))
+        """
+        return _overlapped_call(self, TorchFunc.of(fn, argnums, has_aux))
+
+
+def _overlapped_call(
+    step: ZeroStep, settings: TorchFunc
+) -> Callable[..., tuple[tuple[Any, Any], ZeroState]]:
+    """The function ``ZeroStep.value_and_step`` returns."""
+
+    @functools.wraps(settings.fn)
+    def call(state: ZeroState, /, *args: Any, **kwargs: Any) -> tuple[tuple[Any, Any], ZeroState]:
+        params = settings.differentiated(args)
+        if torch.compiler.is_compiling():
+            grads, output = settings.compiled(args, kwargs)
+            params, state = step(params, grads, state)
+            return (params, output), state
+        try:
+            (p_leaves, plan, rebuild), layout = _fit_params(step, params, state)
+        except (ValueError, TypeError) as error:
+            refuse(error, step.group)  # every rank raises it
+        (buffers, opt_state, hook_state), output = synced_backward(
+            settings.forward(args, kwargs, rebuild),
+            settings.value,
+            p_leaves,
+            plan,
+            step.options,
+            state.hook,
+            step.group,
+            step=state.step,
+            state_fingerprint=state.layout[0],
+            stages=functools.partial(_Overlapped, layout, step.optimizer, p_leaves, state.opt),
+        )
+        new_state = state._replace(hook=hook_state, opt=opt_state, step=state.step + 1)
+        params = rebuild(_pack.unpack_leaves(buffers, plan))
+        return settings.result(params, output), new_state
+
+    return call
+
+
+def _fresh(step: ZeroStep, params: Any, layout: ZeroLayout, opt_state: Any) -> ZeroState:
+    """A state at step 0 for ``params``: this optimizer state, the hook's afresh."""
+    return ZeroState(
+        layout.tensor(),
+        init_hook(step.options, layout.plan, step.group),
+        opt_state,
+        _planner.like(params),
+        torch.zeros((), dtype=torch.int64),
+    )
+
+
+def _fit_params(step: ZeroStep, params: Any, state: Any) -> tuple[_planner.Planned, ZeroLayout]:
+    """``params`` fitted to the plan of ``state``, every parameter of the plan present."""
+    planned_, layout = _fit(step, params, state, "params")
+    for leaf, spec in zip(planned_.leaves, planned_.plan.leaves, strict=True):
+        if leaf is None and spec is not None:
+            raise ValueError(
+                f"params leaf {spec.path!r} is None, but the plan holds a parameter "
+                "there; pass the parameter tree given to init."
+            )
+    return planned_, layout
+
+
+def _stepped(
+    step: ZeroStep,
+    params: list[Any],
+    grads: list[Any],
+    layout: ZeroLayout,
+    state: ZeroState,
+) -> tuple[list[torch.Tensor], Any, Any]:
+    """The step's stages after the gradients exist: agree and pack, every reduce issued (one
+    hook call over all buckets), then bucket after bucket updated and gathered."""
+    agreed, buckets = agree_and_pack(
+        grads,
+        layout.plan,
+        step.options,
+        step.group,
+        hook_state=state.hook,
+        step=state.step,
+        state_fingerprint=state.layout[0],
+    )
+    # Each rank needs only its shard of a bucket: the hook may reduce-scatter it.
+    ctx = context(layout.plan, step.group, agreed.divisor, scatter=step.shard_buckets)
+    pipeline = ZeroPipeline(layout, step.optimizer, params, state.opt, step.hook, state.hook, ctx)
+    pipeline.push_all(dense(buckets, layout.plan))
+    return pipeline.drain()
+
+
+class _Overlapped:
+    """The stages of ``value_and_step`` for ``synced_backward``: as backward completes
+    bucket ``k``, its reduce is issued and the buckets whose reduce is over are updated
+    and gathered."""
+
+    def __init__(
+        self,
+        layout: ZeroLayout,
+        optimizer: Optimizer,
+        params: list[Any],
+        opt_state: Any,
+        plan: BucketPlan,
+        hook: Hook,
+        hook_state: Any,
+        group: _comm.Group,
+        agreement: Agreement,
+    ) -> None:
+        self._make = functools.partial(ZeroPipeline, layout, optimizer, params, opt_state, hook)
+        self._plan, self._hook_state, self._group = plan, hook_state, group
+        self._agreement, self._scatter = agreement, layout.shard_buckets
+        self._pipeline: ZeroPipeline | None = None
+
+    def _started(self) -> ZeroPipeline:
+        if self._pipeline is None:  # the first bucket waits for the ranks' agreement
+            divisor = self._agreement.conclude().divisor
+            ctx = context(self._plan, self._group, divisor, scatter=self._scatter)
+            self._pipeline = self._make(self._hook_state, ctx)
+        return self._pipeline
+
+    def start(self, k: int, buffer: torch.Tensor) -> None:
+        """Bucket ``k`` is complete: its reduce issued; bucket ``k`` itself updated and
+        gathered where its reduce has arrived already (gloo's reduce-scatter), else ``k - 1``
+        (so that its reduce is not waited for before the next one is issued)."""
+        pipeline = self._started()
+        pipeline.push(buffer)
+        pipeline.advance(k + 1 if pipeline.arrived(k) else k)
+
+    def finish(self) -> tuple[list[torch.Tensor], Any, Any]:
+        """The last bucket updated, every gather waited for (``ZeroPipeline.drain``)."""
+        return self._started().drain()
 
 
 def zero(
@@ -606,6 +478,7 @@ def zero_state_dict(state: ZeroState, step: ZeroStep, /, *, to: int = 0) -> Any:
         >>> full = fsync.ops.zero_state_dict(state, step)
         >>> full.exp_avg["w"], int(full.step)
         (tensor([0.1000, 0.1000, 0.1000]), 1)
+        >>> state = step.load(params, full)  # on any world size, in either layout
     """
     if not isinstance(step, ZeroStep):
         raise TypeError(f"step is a {type(step).__name__}; expected the ZeroStep of the state.")
@@ -624,7 +497,7 @@ def zero_state_dict(state: ZeroState, step: ZeroStep, /, *, to: int = 0) -> Any:
         if not layout.is_pieces(slot):
             out.append(slot)
             continue
-        buffers = _gather(layout, slot, step.group, [t.dtype for t in template])
+        buffers = gather(layout, slot, step.group, [t.dtype for t in template])
         out.append(_tree.unflatten(plan.treespec, _pack.unpack_leaves(buffers, plan)))
     if layout.rank != to:
         return None

@@ -1,4 +1,4 @@
-"""Launching a script as a user does: ``torchrun --standalone`` on two gloo ranks.
+"""Launching a script as a user does: ``torchrun --standalone``, two ranks unless told.
 
 ``python -m torch.distributed.run --standalone`` takes a free port per run; this
 repository goes first on ``PYTHONPATH``; a run that outlives its timeout is killed with
@@ -28,16 +28,16 @@ def environment() -> dict[str, str]:
     return env
 
 
-def torchrun(script: str, *args: str, timeout: float = RUN_TIMEOUT) -> str:
-    """Runs ``script`` (a path from the repository's root) on two ranks; returns rank 0's
-    stdout, or fails with the log."""
+def torchrun(script: str, *args: str, timeout: float = RUN_TIMEOUT, nproc: int = 2) -> str:
+    """Runs ``script`` (a path from the repository's root) on ``nproc`` ranks; returns rank
+    0's stdout, or fails with the log."""
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         str(ROOT / script),
         *args,
     ]

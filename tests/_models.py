@@ -26,6 +26,37 @@ class RefModel(nn.Module):
         return self.head(h)
 
 
+class Backwards(nn.Module):
+    """Four layers of distinct sizes, applied last-defined first: ``l0`` runs last.
+
+    Its gradients therefore arrive first, and the buckets (planned in reverse
+    definition order, ``l3`` first) complete in the reverse of the plan's order.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1 = nn.Linear(5, 4), nn.Linear(6, 5)
+        self.l2, self.l3 = nn.Linear(7, 6), nn.Linear(8, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l0(torch.tanh(self.l1(torch.tanh(self.l2(torch.tanh(self.l3(x)))))))
+
+
+class Boom(torch.autograd.Function):
+    """The identity, whose backward raises on the rank told to."""
+
+    @staticmethod
+    def forward(ctx, x, fail):
+        ctx.fail = fail
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.fail:
+            raise RuntimeError("boom: this rank's backward failed")
+        return grad, None
+
+
 def ref_model() -> RefModel:
     """The same initial model on every rank, conv weights in channels_last."""
     torch.manual_seed(0)

@@ -64,7 +64,7 @@ def _worker(rank: int, size: int, init_file: str, pg_timeout: float, conn: Conne
     if dist.is_initialized():
         # A test's DDP lives in a reference cycle until collected; collected after the
         # group is gone, its Reducer frees the group with the GIL held and the gloo
-        # destructor can deadlock on it (``benchmarks.cases.leave_group`` says how).
+        # destructor can deadlock on it (``benchmarks.harness.leave_group`` says how).
         gc.collect()
         dist.destroy_process_group()
 

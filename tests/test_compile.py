@@ -11,7 +11,7 @@ from torch._inductor.utils import run_and_get_code
 
 import fsync
 from benchmarks import models
-from benchmarks.cases import overlapped_kernels
+from benchmarks.steps import overlapped_kernels
 from tests._models import func_loss, params_of, ref_batch, ref_model
 from tests._world import World
 

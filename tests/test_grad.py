@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fsync
 from fsync import _comm
 from fsync._comm import REPORT_PATIENCE_S
-from tests._models import func_loss, params_of, ref_batch, ref_loss, ref_model
+from tests._models import Backwards, Boom, func_loss, params_of, ref_batch, ref_loss, ref_model
 from tests._world import World
 
 # Buckets of about one leaf each, so that a tree spans several.
@@ -237,22 +237,6 @@ def test_stateful_hooks_thread_their_state_as_grad_sync_does(world: World):
 # --- the order of collectives --------------------------------------------------------------------
 
 
-class _Backwards(nn.Module):
-    """Four layers of distinct sizes, applied last-defined first: ``l0`` runs last.
-
-    Its gradients therefore arrive first, and the buckets (planned in reverse
-    definition order, ``l3`` first) complete in the reverse of the plan's order.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l0, self.l1 = nn.Linear(5, 4), nn.Linear(6, 5)
-        self.l2, self.l3 = nn.Linear(7, 6), nn.Linear(8, 7)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l0(torch.tanh(self.l1(torch.tanh(self.l2(torch.tanh(self.l3(x)))))))
-
-
 def _backwards_loss(model):
     def loss(params, x):
         return torch.func.functional_call(model, params, (x,)).pow(2).mean()
@@ -263,7 +247,7 @@ def _backwards_loss(model):
 def _on_rank_plan_order():
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = _Backwards()
+    model = Backwards()
     params = params_of(model)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
     plan = fsync.plan_buckets(params, **TINY)
@@ -432,7 +416,7 @@ def test_tied_weights_equal_ddp(world: World):
 def _on_rank_compiled():
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = _Backwards()
+    model = Backwards()
     params = params_of(model)
     loss = _backwards_loss(model)
 
@@ -486,7 +470,7 @@ def _on_rank_disagreement():
     rank, world_size = dist.get_rank(), dist.get_world_size()
     odd = rank == world_size - 1
     torch.manual_seed(0)
-    model = _Backwards()
+    model = Backwards()
     params = params_of(model)
     x = torch.randn(3, 8)
     loss = _backwards_loss(model)
@@ -525,36 +509,21 @@ def test_a_disagreement_is_an_error_on_every_rank_before_any_bucket(world: World
     world.run(_on_rank_disagreement)
 
 
-class _Boom(torch.autograd.Function):
-    """The identity, whose backward raises on the rank told to."""
-
-    @staticmethod
-    def forward(ctx, x, fail):
-        ctx.fail = fail
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.fail:
-            raise RuntimeError("boom: this rank's backward failed")
-        return grad, None
-
-
 PG_TIMEOUT = 4.0
 
 
 def _on_rank_backward_raises():
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = _Backwards()
+    model = Backwards()
 
-    def loss(params, x):  # l3's and l2's buckets are done before backward reaches _Boom
+    def loss(params, x):  # l3's and l2's buckets are done before backward reaches Boom
         h = torch.tanh(
             torch.func.functional_call(
                 model.l3, {"weight": params["l3.weight"], "bias": params["l3.bias"]}, (x,)
             )
         )
-        h = _Boom.apply(
+        h = Boom.apply(
             torch.tanh(nn.functional.linear(h, params["l2.weight"], params["l2.bias"])), rank == 1
         )
         h = torch.tanh(nn.functional.linear(h, params["l1.weight"], params["l1.bias"]))
@@ -592,7 +561,7 @@ def _rss_mib():
 def _on_rank_memory():
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = _Backwards()
+    model = Backwards()
     params = params_of(model)
     loss = _backwards_loss(model)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
@@ -658,6 +627,21 @@ def test_a_call_keeps_no_bucket_once_the_caller_lets_go(world: World):
 
 
 # --- wrong input ---------------------------------------------------------------------------------
+
+
+def test_compiled_call_keeps_none_leaves_as_the_eager_call_does(single_rank):
+    """torch.func refuses a None leaf in what it differentiates; fsync's call does not."""
+    params = {"w": torch.ones(3), "unused": None, "b": torch.zeros(3)}
+
+    def loss(p, x):
+        return (p["w"] * x + p["b"]).pow(2).sum()
+
+    x = torch.arange(3.0)
+    eager = fsync.grad_and_value(loss)(params, x)
+    compiled = torch.compile(fsync.grad_and_value(loss), fullgraph=True)(params, x)
+    for grads, value in (eager, compiled):
+        assert grads["unused"] is None and torch.equal(value, torch.tensor(5.0))
+        assert torch.equal(grads["w"], 2 * x * x) and torch.equal(grads["b"], 2 * x)
 
 
 def test_wrong_input_gets_a_clear_error(single_rank):

@@ -377,6 +377,15 @@ def test_compiled_hierarchical_sync_deferred_sync_and_zero_equal_eager(world: Wo
     world.run(_on_rank_compiled, timeout=500)
 
 
+def _linear_loss(params, coefficients):
+    """sum(p * c): its gradient is ``c``, exactly (float64 holds the float32 products)."""
+    return sum(
+        (p.double() * c.double()).sum()
+        for p, c in zip(params.values(), coefficients.values(), strict=True)
+        if p is not None
+    )
+
+
 def _on_rank_zero():
     mesh = _mesh()
     grads = _grads(dist.get_rank(), torch.float32)
@@ -388,6 +397,16 @@ def _on_rank_zero():
         )
         new, state = step(params, grads, step.init(params))
         assert int(state.step) == 1
+        # The overlapped call over a loss whose gradient is ``grads``, exactly: the same bits
+        # (on a mesh it reduces every bucket before the first update).
+        (overlapped, _), o_state = step.value_and_step(_linear_loss)(
+            step.init(params), params, grads
+        )
+        assert int(o_state.step) == 1
+        assert all(
+            (a is None and b is None) or torch.equal(a, b)
+            for a, b in zip(overlapped.values(), new.values(), strict=True)
+        )
         # SGD with lr 1 from zeros: the parameters are minus the synced gradients (a
         # negation and a subtraction from zero are exact).
         _check_mean(

@@ -290,3 +290,22 @@ def test_control_collective_only_when_needed(single_rank, options, control):
     # The agreement, then (a gradient being None on this rank, or find_unused) one int64
     # count per tensor leaf, before the buckets, every step; a step is nothing else.
     assert steps == [[*control, *buckets]] * 2
+
+
+def test_options_stay_constants_when_dynamo_makes_numbers_symbolic(single_rank):
+    """Two syncs with other bucket sizes through one compiled function (torch.compile's
+    default dynamic=None): dynamo makes the float it saw change symbolic (automatic
+    dynamic shapes), and no constant function takes a symbolic size. A GradSync's state is
+    fitted to its plan with DDP's loop over the sizes traced (its comparisons guards), so
+    each sync still plans and compiles."""
+    grads = {"w": torch.ones(300), "v": torch.ones(300), "b": torch.ones(7)}
+
+    def step(sync, state, grads):
+        return sync(grads, state)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for cap in (25.0, 0.001, 0.0005):
+        sync = fsync.GradSync(bucket_cap_mb=cap, first_bucket_mb=cap)
+        out, state = compiled(sync, sync.init(grads), grads)
+        assert torch.equal(out["w"], grads["w"]) and int(state.step) == 1
+        assert len(sync.plan(state).buckets) == (1 if cap == 25.0 else 2)

@@ -9,18 +9,21 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch._inductor.compile_fx import compile_fx
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
 from fsync import _comm, _tree
+from fsync._comm import REPORT_PATIENCE_S
 from fsync._pack import shard_numel
-from tests._models import func_loss, params_of, ref_batch, ref_loss, ref_model
+from tests._models import Backwards, Boom, func_loss, params_of, ref_batch, ref_loss, ref_model
 from tests._numerics import AGREEMENT
 from tests._world import World
 
@@ -67,6 +70,26 @@ def _assert_same(ours, ref, world_size):
 # --- 1 and 2: parity with torch.optim and ZeroRedundancyOptimizer; state per rank --------
 
 
+def _assert_bitwise(ours, expected, what):
+    """Every tensor of two trees equal bit for bit, layouts included."""
+    a, spec_a = _tree.flatten(ours)
+    b, spec_b = _tree.flatten(expected)
+    assert spec_a == spec_b, (what, spec_a, spec_b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.stride() == y.stride(), (
+                what,
+                i,
+                x.stride(),
+                y.stride(),
+            )
+            assert x.is_meta == y.is_meta and x.shape == y.shape, (what, i)
+            if not x.is_meta:  # the state's tree, metadata only
+                assert torch.equal(x, y), (what, i, (x.double() - y.double()).abs().max())
+        else:
+            assert x == y, (what, i)
+
+
 def _on_rank_parity(shard_buckets):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = ref_model()
@@ -75,6 +98,8 @@ def _on_rank_parity(shard_buckets):
     step = fsync.ops.zero(fsync.optim.adamw(**ADAMW), shard_buckets=shard_buckets, **SMALL)
     state = step.init(params)
     assert len(step.layout(state).plan.buckets) == 3
+    # The overlapped call, beside the step after backward: the same bits at every step.
+    overlapped, o_params, o_state = step.value_and_step(loss_fn), params, step.init(params)
 
     # Reference 1: torch.optim.AdamW fed the exact mean of every rank's gradients.
     ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
@@ -100,6 +125,12 @@ def _on_rank_parity(shard_buckets):
         assert s > 0 or not torch.equal(new_params["head.weight"], params["head.weight"])
         assert all(torch.equal(v, {**params, **grads}[k]) for k, v in before.items())
         params = new_params
+        held = [x for x in _tree.flatten((o_params, o_state))[0] if not x.is_meta]
+        copies = [x.clone() for x in held]
+        (o_params, loss), o_state = overlapped(o_state, o_params, batch)
+        assert all(torch.equal(a, b) for a, b in zip(held, copies, strict=True))  # untouched
+        assert torch.equal(loss, ref_loss(model, batch)) or s > 0
+        _assert_bitwise((o_params, o_state), (params, state), f"step {s}")
 
     assert params["conv.weight"].is_contiguous(memory_format=torch.channels_last)
     _assert_same(params, {k: v.detach() for k, v in ref.items()}, world_size)
@@ -190,8 +221,12 @@ def _on_rank_resume(path, shard_buckets):
     params = checkpoint["params"]
     step = _zero_step(shard_buckets)
     state = step.load(params, checkpoint["opt"])
+    # Resumed with the overlapped call, over the loss whose gradient _exact_grads is (zero
+    # on every rank but 0: the loss times 0, whose gradient sums with rank 0's exactly).
+    loss = func_loss(ref_model())
+    call = step.value_and_step(lambda p, batch, k: loss(p, batch) * k)
     for s in range(CKPT_STEPS[0], sum(CKPT_STEPS)):
-        params, state = step(params, _exact_grads(params, s, rank), state)
+        (params, _), state = call(state, params, ref_batch(0, s, batch=12), float(rank == 0))
     return params, fsync.ops.zero_state_dict(state, step)
 
 
@@ -214,7 +249,7 @@ def test_checkpoint_from_4_ranks_resumes_on_2_and_3(tmp_path):
     expected, expected_state = uninterrupted[0][1]
     for params, _ in uninterrupted:
         assert all(torch.equal(params[k], expected[k]) for k in expected)
-    # Resume with 2 ranks sharded and with 3 ranks owning whole buckets.
+    # Resume with 2 ranks sharded and with 3 ranks owning whole buckets, the same bits.
     for world_size, shard_buckets in ((2, True), (3, False)):
         results = get_world(world_size).run(_on_rank_resume, path, shard_buckets)
         for params, _ in results:
@@ -227,32 +262,69 @@ def test_checkpoint_from_4_ranks_resumes_on_2_and_3(tmp_path):
         assert all(r[1] is None for r in results[1:])
 
 
+def _linear_loss(params, coefficients):
+    """sum(p * c) over the leaves, in float64: its gradient is ``c`` in each leaf's dtype
+    (``c`` is float32, held exactly in float64 and rounded once to the leaf's dtype)."""
+    return sum(
+        (params[k].double() * c.double()).sum() for k, c in coefficients.items() if c is not None
+    )
+
+
 def _on_rank_mixed_dtypes(shard_buckets):
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(0)  # the same parameters on every rank
     dtypes = {"a": torch.float32, "b": torch.bfloat16, "c": torch.float64, "d": torch.bfloat16}
     shapes = {"a": (7, 5), "b": (33,), "c": (4,), "d": (2, 3, 4, 4)}
-    params = {k: torch.randn(shapes[k], generator=g).to(dtypes[k]) for k in dtypes}
-    params["d"] = params["d"].to(memory_format=torch.channels_last)
-    params["e"] = None
-    opt = fsync.optim.adam(0.1, weight_decay=0.01)
-    step = fsync.ops.zero(
-        opt, hook=fsync.ops.allreduce("sum"), shard_buckets=shard_buckets, **SMALL
-    )
-    state = step.init(params)
-    expected, expected_state = params, opt.init(params)
-    for s in range(4):
-        g = torch.Generator().manual_seed(1 + s)
-        grads = {k: torch.randn(shapes[k], generator=g).to(dtypes[k]) for k in dtypes}
-        grads["e"] = None
-        mine = {k: v if rank == 0 or v is None else torch.zeros_like(v) for k, v in grads.items()}
-        params, state = step(params, mine, state)
-        expected, expected_state = opt.update(expected, grads, expected_state)
-    # The sum of rank 0's gradients and zeros is exact, and the optimizer's
-    # operations are elementwise: sharding changes nothing, whatever the dtype.
-    assert params["e"] is None and params["d"].is_contiguous(memory_format=torch.channels_last)
-    for k in dtypes:
-        assert params[k].dtype == dtypes[k] and torch.equal(params[k], expected[k]), k
+    start = {k: torch.randn(shapes[k], generator=g).to(dtypes[k]) for k in dtypes}
+    start["d"] = start["d"].to(memory_format=torch.channels_last)
+    start["e"] = None
+    for name, opt in (
+        ("sgd", fsync.optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+        ("adam", fsync.optim.adam(0.1, weight_decay=0.01)),
+        ("adamw", fsync.optim.adamw(0.1, weight_decay=0.1)),
+    ):
+        step = fsync.ops.zero(
+            opt, hook=fsync.ops.allreduce("sum"), shard_buckets=shard_buckets, **SMALL
+        )
+        assert len(step.layout(step.init(start)).plan.buckets) >= 3
+        params = overlapped = start
+        state = o_state = step.init(start)
+        call = step.value_and_step(_linear_loss)
+        expected, expected_state = start, opt.init(start)
+        for s in range(4):
+            g = torch.Generator().manual_seed(1 + s)
+            coefficients = {k: torch.randn(shapes[k], generator=g) for k in dtypes}
+            grads = {k: c.to(dtypes[k]) for k, c in coefficients.items()}
+            grads["e"] = coefficients["e"] = None
+            if rank != 0:
+                coefficients = {k: None if c is None else 0 * c for k, c in coefficients.items()}
+            mine = {
+                k: v if rank == 0 or v is None else torch.zeros_like(v) for k, v in grads.items()
+            }
+            params, state = step(params, mine, state)
+            (overlapped, _), o_state = call(o_state, overlapped, coefficients)
+            expected, expected_state = opt.update(expected, grads, expected_state)
+            # The gradient of the linear loss is this rank's gradient above, bit for bit:
+            # the overlapped call is the step after backward.
+            _assert_bitwise((overlapped, o_state), (params, state), f"{name} step {s}")
+        # The sum of rank 0's gradients and zeros is exact, and the optimizer's
+        # operations are elementwise: sharding changes nothing, whatever the dtype,
+        # with one exception. torch's CPU kernel for a bfloat16 add(x, y, alpha=a) (SGD's
+        # p - lr * g, its momentum and weight decay) fuses the multiply-add in its
+        # vectorised loop but rounds a * y first in its scalar tail, so an element's bits
+        # depend on where it falls in the tensor (1 ulp; float32/64 and Adam's kernels do
+        # not): a flat shard and the parameter it was cut from disagree by up to an ulp
+        # of the parameter's scale per operation and step. Two such adds per step (p and
+        # the momentum buffer), four steps.
+        assert params["e"] is None and params["d"].is_contiguous(memory_format=torch.channels_last)
+        for k in dtypes:
+            assert params[k].dtype == dtypes[k]
+            if dtypes[k] == torch.bfloat16 and name == "sgd":
+                ulp = torch.finfo(torch.bfloat16).eps * expected[k].abs().max().float()
+                diff = (params[k].float() - expected[k].float()).abs().max()
+                assert diff <= 2 * 4 * ulp, (k, diff / ulp)
+            else:
+                assert torch.equal(params[k], expected[k]), (k, name)
 
 
 @pytest.mark.parametrize("world", [3], indirect=True)
@@ -277,7 +349,7 @@ def _whole_buckets(inner):
 def _wire():
     """Every collective the step issues, as (op, dtype, numel), passed on to fsync's own."""
     sent = []
-    names = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+    names = ("all_reduce", "reduce_scatters", "all_gather", "broadcast")
     originals = {name: getattr(_comm, name) for name in names}
 
     def recording(name):
@@ -287,8 +359,16 @@ def _wire():
 
         return collective
 
+    def scatters(xs, *args, **kwargs):  # reduce_scatter calls it too: one record each
+        def each():
+            for x in xs:
+                sent.append(("reduce_scatter", x.dtype, x.numel()))
+                yield x
+
+        return originals["reduce_scatters"](each(), *args, **kwargs)
+
     for name in names:
-        setattr(_comm, name, recording(name))
+        setattr(_comm, name, scatters if name == "reduce_scatters" else recording(name))
     try:
         yield sent
     finally:
@@ -374,6 +454,164 @@ def test_hooks_returning_whole_buckets_work_when_sharding(world: World):
     world.run(_on_rank_whole_bucket_hooks)
 
 
+# --- the overlapped call: collectives in plan order, errors before any bucket ------------------
+
+TINY = {"bucket_cap_mb": 1e-4, "first_bucket_mb": 1e-4}
+
+
+def _backwards_loss(model):
+    def loss(params, x):
+        return torch.func.functional_call(model, params, (x,)).pow(2).mean()
+
+    return loss
+
+
+def _on_rank_overlap_order(shard_buckets):
+    """Backward completes the buckets in the reverse of the plan's order; every rank still
+    issues the agreement, then each bucket's reduce in plan order, each gather after the
+    reduce of the bucket that follows it."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = Backwards()
+    loss = _backwards_loss(model)
+    params = params_of(model)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
+    step = fsync.ops.zero(fsync.optim.adam(0.1), shard_buckets=shard_buckets, **TINY)
+    state = step.init(params)
+    numels = [spec.numel for spec in step.layout(state).plan.specs]
+    assert len(numels) == 4
+    if shard_buckets:
+        padded = [world_size * shard_numel(n, world_size) for n in numels]
+        reduces = [("reduce_scatter", torch.float32, n) for n in padded]
+        gathers = [("all_gather", torch.float32, n // world_size) for n in padded]
+    else:
+        reduces = [("all_reduce", torch.float32, n) for n in numels]
+        gathers = [("broadcast", torch.float32, n) for n in numels]
+    r, g = reduces, gathers
+    with _wire() as sent:
+        (new, _), new_state = step.value_and_step(loss)(state, params, x)
+    if shard_buckets:  # gloo's reduce-scatter has arrived when it returns: gathered at once
+        assert sent == [AGREEMENT, r[0], g[0], r[1], g[1], r[2], g[2], r[3], g[3]], sent
+    else:  # an all-reduce in flight: the gather after the next bucket's reduce
+        assert sent == [AGREEMENT, r[0], r[1], g[0], r[2], g[1], r[3], g[2], g[3]], sent
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, sent)
+    assert all(e == sent for e in everyone)
+    _assert_bitwise((new, new_state), step(params, torch.func.grad(loss)(params, x), state), "")
+
+    # An optimizer that is not leafwise, or a hook that is not bucketwise, waits for every
+    # bucket before the first update: the same bits, the gathers after every reduce.
+    opt = fsync.optim.adam(0.1)
+    whole = fsync.ops.zero(
+        fsync.optim.Optimizer(opt.init, opt.update), shard_buckets=shard_buckets, **TINY
+    )
+    with _wire() as sent:
+        (other, _), other_state = whole.value_and_step(loss)(state, params, x)
+    assert sent == [AGREEMENT, *r, *g], sent
+    _assert_bitwise((other, other_state.opt), (new, new_state.opt), "not leafwise")
+    powersgd = fsync.ops.zero(
+        opt, hook=fsync.ops.powersgd(1, min_compression_rate=0), shard_buckets=shard_buckets, **TINY
+    )
+    p_state = powersgd.init(params)
+    expected = powersgd(params, torch.func.grad(loss)(params, x), p_state)
+    _assert_bitwise(powersgd.value_and_step(loss)(p_state, params, x)[1], expected[1], "powersgd")
+
+
+@pytest.mark.parametrize("world", [2, 3], indirect=True)
+@pytest.mark.parametrize("shard_buckets", [True, False])
+def test_overlapped_call_issues_in_plan_order(world: World, shard_buckets):
+    world.run(_on_rank_overlap_order, shard_buckets)
+
+
+def _on_rank_overlap_errors():
+    rank = dist.get_rank()
+    model = Backwards()
+    loss = _backwards_loss(model)
+    params = params_of(model)
+    x = torch.randn(3, 8)
+    step = fsync.ops.zero(fsync.optim.adam(0.1), **TINY)
+    state = step.init(params)
+    call = step.value_and_step(loss)
+    # Another plan on one rank: every rank raises before any bucket collective.
+    mine = fsync.ops.zero(fsync.optim.adam(0.1), **(TINY if rank == 0 else SMALL))
+    with _wire() as sent, pytest.raises(ValueError, match="differ across ranks"):
+        mine.value_and_step(loss)(mine.init(params), params, x)
+    assert all(dtype != torch.float32 for _, dtype, _ in sent), sent
+    # What one rank finds alone (a parameter of another shape) is every rank's error.
+    wrong = {**params, "l0.bias": torch.zeros(5)} if rank == 1 else params
+    with _wire() as sent, pytest.raises(ValueError, match=r"rank 1: params does not match"):
+        call(state, wrong, x)
+    assert all(dtype != torch.float32 for _, dtype, _ in sent), sent
+    with pytest.raises(TypeError, match="expected the ZeroState"):
+        call(state.opt, params, x)
+    with pytest.raises(ValueError, match="expected a scalar tensor"):
+        step.value_and_step(lambda p, x: torch.func.functional_call(model, p, (x,)))(
+            state, params, x
+        )
+    with pytest.raises(TypeError, match="argnums must be an int"):
+        step.value_and_step(loss, argnums="params")
+    # Nothing above left a collective half done: the world still steps, from the same state.
+    (new, value), new_state = call(state, params, x)
+    assert int(new_state.step) == 1 and value.dim() == 0 and not value.requires_grad
+    assert not torch.equal(new["l0.weight"], params["l0.weight"])
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_overlapped_call_errors_are_every_ranks_before_any_bucket(world: World):
+    world.run(_on_rank_overlap_errors, timeout=60)
+
+
+PG_TIMEOUT = 4.0
+
+
+def _on_rank_backward_raises():
+    """Rank 1's backward raises once the first two buckets have left (they complete in plan
+    order here: layers applied in the order they are defined, the plan reversed)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 7), nn.Linear(7, 6), nn.Linear(6, 5), nn.Linear(5, 4)]
+    params = {f"{i}.{k}": v.detach() for i, m in enumerate(layers) for k, v in m.named_parameters()}
+
+    def loss(p, x):
+        for i in range(4):
+            x = torch.tanh(nn.functional.linear(x, p[f"{i}.weight"], p[f"{i}.bias"]))
+            if i == 1:  # backward reaches this after layers 3 and 2: buckets 1 and 2
+                x = Boom.apply(x, rank == 1)
+        return x.pow(2).mean()
+
+    step = fsync.ops.zero(fsync.optim.adam(0.1), **TINY)
+    state = step.init(params)
+    assert len(step.layout(state).plan.buckets) == 4
+    started = time.monotonic()
+    with _wire() as sent, pytest.raises(RuntimeError) as error:
+        step.value_and_step(loss)(state, params, torch.randn(3, 8))
+    return time.monotonic() - started, str(error.value), [op for op, _, _ in sent]
+
+
+def test_a_rank_whose_backward_raises_leaves_the_others_with_fsyncs_error():
+    world = World(2, pg_timeout=PG_TIMEOUT)
+    results = world.run_unchecked(_on_rank_backward_raises, timeout=60)
+    (kind0, value0), (kind1, value1) = results
+    assert kind0 == "ok" and kind1 == "ok", results
+    _, message1, sent1 = value1
+    assert "boom" in message1  # the failing rank reports its own error ...
+    # ... having issued whole stages only, in order, before its backward raised (how many
+    # depends on how far the starter thread got): the agreement, then per complete bucket
+    # its reduce-scatter and its gather (gloo's reduce-scatter has arrived when it returns).
+    # Rank 0 issued the same.
+    whole = ["all_reduce", "reduce_scatter", "all_gather", "reduce_scatter", "all_gather"]
+    assert sent1 in (whole[:1], whole[:3], whole), sent1
+    elapsed, message0, sent0 = value0
+    assert sent0[: len(sent1)] == sent1 and sent0[len(sent1)] == "reduce_scatter", sent0
+    # Rank 0 waits for the first bucket that rank 1 never sent: its error names it, and
+    # rank 1 as the rank that did not arrive (it left the call with its own error).
+    missing = sent1.count("reduce_scatter") + 1
+    assert f"an fsync collective failed at bucket {missing} of 4 (the hook" in message0, message0
+    assert "rank 1 did not arrive" in message0, message0
+    # gloo gives up after the group's timeout, or at once when rank 1's sockets close; the
+    # slack covers scheduling.
+    assert elapsed < PG_TIMEOUT + REPORT_PATIENCE_S + 20, elapsed
+
+
 # --- 4: clear errors ----------------------------------------------------------------------------
 
 
@@ -448,36 +686,42 @@ def test_clear_errors(world: World):
     world.run(_on_rank_errors, timeout=60)
 
 
-# --- compile: one reduce-scatter and one all-gather per bucket, no recompile ------------------
+# --- compile: the overlapped call, one reduce-scatter and one all-gather per bucket -------------
 
 
 def _on_rank_compiled(shard_buckets):
     rank = dist.get_rank()
-    model = ref_model()
-    loss_fn = func_loss(model)
+    params = params_of(ref_model())
     lr = torch.tensor(1e-2, dtype=torch.float64)
     step = fsync.ops.zero(fsync.optim.adamw(lr), shard_buckets=shard_buckets, **SMALL)
-    # The step alone (gradients eagerly): compiling forward and backward as well
-    # only costs time here; test_sync compiles whole train steps. Inductor with
-    # fsync.compile's overlap passes, which move collectives: in the owner mode the
-    # ranks' graphs differ (an owner updates its bucket, the others do not), and a
-    # broadcast with nothing to wait for once moved ahead of the all-reduces on the
-    # receiving ranks alone, so that the ranks hung in mismatched collectives.
+    # The overlapped call, compiled, over a loss whose gradient inductor computes exactly
+    # as eager does (_linear_loss: the coefficients, rounded once), so that the compiled
+    # and the eager run differ only in the AdamW arithmetic. Inductor with fsync.compile's
+    # overlap passes, which move collectives: in the owner mode the ranks' graphs differ
+    # (an owner updates its bucket, the others do not), and a broadcast with nothing to
+    # wait for once moved ahead of the all-reduces on the receiving ranks alone, so that
+    # the ranks hung in mismatched collectives (test_compiled_overlapped_call_on_three_ranks
+    # has three steps in one graph, where an opaque op of broadcasts gave wrong numbers).
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return compile_fx(gm, example_inputs, config_patches=fsync._compile.OVERLAP_OPTIONS)
 
-    compiled = torch.compile(step, fullgraph=True, backend=backend)
-    eager_params = compiled_params = params_of(model)
+    call = step.value_and_step(_linear_loss)
+    compiled = torch.compile(call, fullgraph=True, backend=backend)
+    eager_params = compiled_params = params
     eager_state = compiled_state = step.init(eager_params)
     for s in range(3):
         lr.fill_(1e-2 / (s + 1))
-        grads = torch.func.grad(loss_fn)(eager_params, ref_batch(rank, s))
-        eager_params, eager_state = step(eager_params, grads, eager_state)
+        g = torch.Generator().manual_seed(10 * s + rank)
+        coefficients = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        (eager_params, _), eager_state = call(eager_state, eager_params, coefficients)
         with torch._dynamo.config.patch(error_on_recompile=s > 0):
-            compiled_params, compiled_state = compiled(compiled_params, grads, compiled_state)
+            (compiled_params, value), compiled_state = compiled(
+                compiled_state, compiled_params, coefficients
+            )
+        assert value.dim() == 0
     collectives = [
         str(n.target)
         for n in graphs[-1].graph.nodes
@@ -491,10 +735,11 @@ def _on_rank_compiled(shard_buckets):
     }
     if shard_buckets:
         # On gloo fsync's comm module composes a reduce-scatter from an all-to-all and
-        # a local sum (gloo's own is slower, see _comm.on_gloo).
-        expected = {"all_to_all": n_buckets, "all_gather": n_buckets}
-    else:  # the owners' broadcasts are one op that issues them in order on every rank
-        expected = {"all_reduce": n_buckets, "broadcast": 1}
+        # a local sum (gloo's own is slower, see _comm.on_gloo), and a compiled
+        # all-gather from an all-to-all of the shard repeated (see _comm.all_gather).
+        expected = {"all_to_all": 2 * n_buckets}
+    else:  # each owner's broadcast, received into the reduced bucket on the other ranks
+        expected = {"all_reduce": n_buckets, "broadcast": n_buckets}
     assert count == {**dict.fromkeys(count, 0), **expected}, collectives
     assert int(compiled_state.opt.step) == 3
     for k in eager_params:
@@ -508,6 +753,79 @@ def _on_rank_compiled(shard_buckets):
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)
-def test_compiled_step(world: World):
+def test_compiled_overlapped_call(world: World):
     world.run(_on_rank_compiled, True, timeout=400)
     world.run(_on_rank_compiled, False, timeout=400)
+
+
+def _mixed_tree():
+    """Parameters of four dtypes and layouts, and a None leaf (the same on every rank)."""
+    g = torch.Generator().manual_seed(0)
+    dtypes = {"a": torch.float32, "b": torch.bfloat16, "c": torch.float64, "d": torch.bfloat16}
+    shapes = {"a": (7, 5), "b": (33,), "c": (4,), "d": (2, 3, 4, 4)}
+    params = {k: torch.randn(shapes[k], generator=g).to(dtypes[k]) for k in dtypes}
+    params["d"] = params["d"].to(memory_format=torch.channels_last)
+    return {**params, "e": None}
+
+
+def _cloned(tree):
+    return {k: None if v is None else v.clone() for k, v in tree.items()}
+
+
+def _on_rank_compiled_mixed(shard_buckets):
+    """SGD, Adam and AdamW through the overlapped call on three ranks (padded shards), four
+    dtypes, a None leaf, several buckets: compiled (one graph for the three) against eager."""
+    rank = dist.get_rank()
+    params = _mixed_tree()
+    optimizers = (
+        fsync.optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
+        fsync.optim.adam(0.1, weight_decay=0.01),
+        fsync.optim.adamw(0.1),
+    )
+    steps = [fsync.ops.zero(o, shard_buckets=shard_buckets, **SMALL) for o in optimizers]
+    assert len(steps[0].layout(steps[0].init(params)).plan.buckets) >= 3
+    calls = [step.value_and_step(_linear_loss) for step in steps]
+
+    def three(pairs, coefficients):
+        """Each optimizer's step on its own parameters."""
+        out = []
+        for call, (p, state) in zip(calls, pairs, strict=True):
+            (new, _), state = call(state, p, coefficients)
+            out.append((new, state))
+        return out
+
+    compiled = fsync.compile(three)
+    # Each optimizer's own copy: the compiled step is guarded on its inputs' identities.
+    eager = ours = [(_cloned(params), step.init(params)) for step in steps]
+    for s in range(3):
+        g = torch.Generator().manual_seed(100 * s + rank)
+        coefficients = {
+            k: None if v is None else torch.randn(v.shape, generator=g) for k, v in params.items()
+        }
+        eager = three(eager, coefficients)
+        with torch._dynamo.config.patch(error_on_recompile=s > 0):
+            ours = compiled(ours, coefficients)
+    for (expected, e_state), (got, state) in zip(eager, ours, strict=True):
+        assert int(state.step) == int(e_state.step) == 3 and got["e"] is None
+        for k, p in expected.items():
+            if p is None:
+                continue
+            # The gradients are exact in both (_linear_loss), so only the optimizer's
+            # arithmetic differs: eager rounds every operation to the parameter's dtype
+            # (16-bit ones computed in float32 and rounded once each), inductor keeps the
+            # intermediates of a piece in registers in float32 and rounds once. A step moves
+            # a parameter by at most an ulp of its scale in float32/64 and by a few of its
+            # bfloat16 ulps (the moment estimates are stored, and so rounded, in bfloat16 in
+            # both; the rest is one rounding against three or four): 1 and 4 ulps per step,
+            # three steps.
+            per_step = 4 if p.dtype == torch.bfloat16 else 1
+            ulp = torch.finfo(p.dtype).eps * p.abs().max().double()
+            diff = (got[k].double() - p.double()).abs().max()
+            assert got[k].dtype == p.dtype and diff <= 3 * per_step * ulp, (k, diff / ulp)
+            assert got[k].stride() == p.stride(), k
+
+
+@pytest.mark.parametrize("world", [3], indirect=True)
+@pytest.mark.parametrize("shard_buckets", [True, False])
+def test_compiled_overlapped_call_on_three_ranks_mixed_dtypes(world: World, shard_buckets):
+    world.run(_on_rank_compiled_mixed, shard_buckets, timeout=400)

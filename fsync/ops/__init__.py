@@ -1,8 +1,9 @@
 """Hooks for [fsync.sync_grads][] and [fsync.GradSync][], and the ZeRO step (re-exported)."""
 
-# The ZeRO step lives beside the sync (fsync/_zero.py), not among the hooks; it is
+# The ZeRO step lives beside the sync (fsync/_zero*.py), not among the hooks; it is
 # re-exported here, where users have always found it.
-from fsync._zero import ZeroState, ZeroStep, zero, zero_state_dict
+from fsync._zero import ZeroStep, zero, zero_state_dict
+from fsync._zero_layout import ZeroState
 from fsync.ops._allreduce import allreduce
 from fsync.ops._compress import bf16_compress, fp16_compress
 from fsync.ops._noop import noop

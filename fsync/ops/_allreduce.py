@@ -50,14 +50,10 @@ def allreduce(op: Literal["mean", "sum"] = "mean") -> Hook:
         fresh = ctx.owned or (op == "mean" and divides)
         # One bucket at a time, so that eagerly bucket k is on the wire while k + 1
         # is divided.
-        out = []
-        for b in buckets:
-            if op == "mean":
-                b = ctx.divide(b, inplace=ctx.owned)
-            if ctx.scatter:
-                out.append(_comm.reduce_scatter(pad_to_shards(b, ctx.world_size), "sum", ctx.group))
-            else:
-                out.append(_comm.all_reduce(b, "sum", ctx.group, inplace=fresh))
-        return out, state
+        divided = (ctx.divide(b, inplace=ctx.owned) if op == "mean" else b for b in buckets)
+        if ctx.scatter:
+            padded = (pad_to_shards(b, ctx.world_size) for b in divided)
+            return _comm.reduce_scatters(padded, "sum", ctx.group), state
+        return [_comm.all_reduce(b, "sum", ctx.group, inplace=fresh) for b in divided], state
 
     return Hook(init, apply, spec_of("allreduce", op=op), bucketwise=True)

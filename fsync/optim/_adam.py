@@ -102,7 +102,7 @@ def _adam(
             step, _tree.unflatten(treespec, new_m), _tree.unflatten(treespec, new_v)
         )
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, leafwise=True)
 
 
 def adam(

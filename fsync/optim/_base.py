@@ -43,6 +43,15 @@ class Optimizer(NamedTuple):
             parameter tree (an [fsync.optim.SGDState][] or [fsync.optim.AdamState][]).
         update: ``update(params, grads, state) -> (params, state)``: one step,
             returning new tensors and leaving the inputs untouched.
+        leafwise: ``True`` for an optimizer whose update treats each leaf on its
+            own: updating the leaves one at a time (each with its own entries of
+            the per-parameter state and the same other entries, such as the step
+            count) gives the same bits, and the same other entries, as updating
+            them together. The overlapped ZeRO call
+            ([fsync.ops.ZeroStep.value_and_step][]) then updates each bucket as
+            soon as its gradients are reduced; another optimizer (one that clips
+            by the global norm, say) waits for every bucket. fsync's ``sgd``,
+            ``adam`` and ``adamw`` are leafwise. Default ``False``: always correct.
 
     Example:
         >>> import torch, fsync
@@ -56,6 +65,7 @@ class Optimizer(NamedTuple):
 
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any], tuple[Any, Any]]
+    leafwise: bool = False
 
 
 def check_lr(lr: Any, /) -> LearningRate:

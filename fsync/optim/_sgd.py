@@ -125,4 +125,4 @@ def sgd(
         buffers = _tree.unflatten(treespec, new_buf) if momentum else None
         return _tree.unflatten(treespec, new_p), SGDState(state.step + 1, buffers)
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, leafwise=True)
