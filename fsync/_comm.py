@@ -7,7 +7,9 @@ is a ``ProcessGroup``, a 1-D ``DeviceMesh``, a ``(DeviceMesh, dim)`` pair, a
 2-D ``DeviceMesh`` (dim 0 across nodes, dim 1 within a node: its collectives run
 over all of its ranks, and ``hierarchy`` names its two dims for a hierarchical
 reduce) or ``None`` for the default group; a ``Recorder`` stands in for one where
-a sync is measured rather than run. With one rank no collective is issued.
+a sync is measured rather than run, and a ``ReplicaGroup`` for the live replicas
+of a fault-tolerant job (``fsync.ft``: its collectives go through torchft's
+``Manager``, eagerly). With one rank no collective is issued.
 
 Owns: every call into ``torch.distributed`` and the differences between torch
 releases. May import: torch only (layer 1, the bottom of fsync).
@@ -109,7 +111,63 @@ class Recorder:
         return f"Recorder(world_size={self.world_size}, rank={self.rank}{shape})"
 
 
-Group = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | Recorder | None
+class ReplicaGroup:
+    """The live replicas of a fault-tolerant job as a group: its members change step by step.
+
+    A fault-tolerance runtime (``fsync.ft``'s, over torchft) subclasses it: each
+    collective is issued through the runtime, which learns of a failure itself, and
+    returns a ``Pending`` whose wait raises ``RuntimeError`` when the collective (or
+    an earlier one of the step) failed, so that fsync raises ``CollectiveError``
+    and the step is discarded. ``size`` is the number of replicas in this step's
+    quorum, the divisor of a mean. Eager only: under ``torch.compile`` it raises
+    ``REPLICAS_UNDER_COMPILE``. No store is read to name a failure (``named``): the
+    runtime decides what a failure means.
+    """
+
+    def size(self) -> int:
+        """The number of replicas taking part in this step."""
+        raise NotImplementedError
+
+    def rank(self) -> int:
+        """This replica's rank among them."""
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        """Where small control tensors live."""
+        return torch.device("cpu")
+
+    def all_reduce(self, x: torch.Tensor, op: str) -> Pending:
+        """Reduces ``x`` itself (the caller owns it) with ``op`` across the replicas."""
+        raise NotImplementedError
+
+    def all_gather(self, x: torch.Tensor) -> Pending:
+        """Every replica's ``x`` concatenated along dim 0, in rank order."""
+        raise NotImplementedError
+
+    def broadcast(self, x: torch.Tensor, src: int) -> Pending:
+        """Replica ``src``'s ``x``, received into ``x`` itself (the caller owns it)."""
+        raise NotImplementedError
+
+
+REPLICAS_UNDER_COMPILE = (
+    "a ReplicaGroup (fsync.ft) runs eagerly only: its members change from one step to the "
+    "next, and torch's functional collectives need a c10d group of fixed size, by name, at "
+    "trace time. Call the step without torch.compile / fsync.compile (compile the loss "
+    "function inside it instead)."
+)
+
+
+def _replicas(group: Group) -> ReplicaGroup | None:
+    """``group`` as a ``ReplicaGroup`` (eager only), else ``None``."""
+    if not isinstance(group, ReplicaGroup):
+        return None
+    if torch.compiler.is_compiling():
+        raise RuntimeError(REPLICAS_UNDER_COMPILE)
+    return group
+
+
+Group = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | Recorder | ReplicaGroup | None
 
 _NOT_INITIALISED = (
     "torch.distributed is not initialised. Call torch.distributed.init_process_group() "
@@ -146,7 +204,7 @@ def check_group(group: Group) -> None:
                 'mesh_dim_names=("node", "local")).'
             )
         return
-    if isinstance(group, Recorder):
+    if isinstance(group, Recorder | ReplicaGroup):
         return
     placeholder: Any = group  # new_group's value on ranks it leaves out: an int
     if isinstance(placeholder, int) and placeholder == dist.GroupMember.NON_GROUP_MEMBER:
@@ -158,7 +216,8 @@ def check_group(group: Group) -> None:
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"group is a {type(group).__name__}; expected a torch.distributed.ProcessGroup, a "
-            "DeviceMesh, a (DeviceMesh, dim) pair or None for the default group."
+            "DeviceMesh, a (DeviceMesh, dim) pair, an fsync.ft replica group or None for the "
+            "default group."
         )
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(_NOT_INITIALISED)
@@ -202,6 +261,8 @@ def size(group: Group) -> int:
     """Number of ranks in ``group``."""
     if isinstance(group, Recorder):
         return group.world_size
+    if isinstance(group, ReplicaGroup):
+        return group.size()
     if isinstance(group, DeviceMesh) and group.ndim == 2:
         return group.size(0) * group.size(1)
     mesh_dim = _mesh_dim(group)
@@ -212,6 +273,8 @@ def rank(group: Group) -> int:
     """This process's rank within ``group``."""
     if isinstance(group, Recorder):
         return group.rank
+    if isinstance(group, ReplicaGroup):
+        return group.rank()
     if isinstance(group, DeviceMesh) and group.ndim == 2:  # row-major, as flattened
         return group.get_local_rank(0) * group.size(1) + group.get_local_rank(1)
     mesh_dim = _mesh_dim(group)
@@ -222,6 +285,8 @@ def rank(group: Group) -> int:
 
 def process_group(group: Group) -> dist.ProcessGroup:
     """The ``ProcessGroup`` behind ``group``."""
+    if isinstance(group, ReplicaGroup):
+        raise TypeError("a ReplicaGroup (fsync.ft) has no c10d ProcessGroup of fixed members.")
     mesh_dim = _mesh_dim(group)
     if mesh_dim:
         return mesh_dim[0].get_group(mesh_dim[1])
@@ -229,6 +294,8 @@ def process_group(group: Group) -> dist.ProcessGroup:
 
 
 def _group_name(group: Group) -> str:
+    if isinstance(group, ReplicaGroup):
+        raise RuntimeError(REPLICAS_UNDER_COMPILE)
     name: str = funcol._resolve_group_name(_funcol_group(group))
     return name
 
@@ -243,6 +310,8 @@ group_name = _constant(_group_name)
 
 
 def _on_gloo(group: Group) -> bool:
+    if isinstance(group, ReplicaGroup):
+        return False
     return "gloo" in str(dist.get_backend(process_group(group)))
 
 
@@ -275,6 +344,9 @@ def all_reduce(
     local = _local("all_reduce", x, group, op, control=control)
     if local is not None:
         return local
+    replicas = _replicas(group)
+    if replicas is not None:  # waited for at once: a failure raises where it is issued
+        return wait(replicas.all_reduce(x if inplace else x.clone(), op))
     if inplace and not torch.compiler.is_compiling():
         name = funcol._resolve_group_name(_funcol_group(group))
         in_place: torch.Tensor = funcol._maybe_wrap_tensor(
@@ -308,28 +380,56 @@ def _local(
     return x.clone()
 
 
-def all_gather(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along dim 0, in rank order.
+class Pending(NamedTuple):
+    """A result still on the wire as c10d ``Work``s: ``wait`` returns ``tensor`` once
+    ``works`` are done (what an eager gloo all-gather returns, see ``all_gather``)."""
+
+    tensor: torch.Tensor
+    works: tuple[Any, ...]
+
+
+Issued = torch.Tensor | Pending
+"""What a collective returns before ``wait``: a tensor (plain, or a functional
+collective's, which waits on first use) or a ``Pending``."""
+
+
+def all_gather(x: torch.Tensor, group: Group) -> Issued:
+    """Every rank's ``x`` concatenated along dim 0, in rank order (``wait`` for it).
 
     Eagerly on gloo this is one broadcast per rank rather than gloo's all-gather
-    (see ``on_gloo``); the result is the same tensor. Compiled, it is the
-    functional all-gather: measured as fast there as the broadcasts, and one
-    collective keeps the ranks' graphs free of rank-dependent inputs.
+    (see ``on_gloo``), all of them issued before this returns and none waited for:
+    the result is a ``Pending`` holding the same tensor. Compiled on gloo it is an
+    all-to-all of ``x`` repeated once per rank (each rank sends and receives what an
+    all-gather would, plus one local copy): gloo's all-gather, with inductor's
+    communication passes keeping several in flight beside all-to-alls, corrupted the
+    heap (SIGABRT "malloc(): unaligned tcache chunk detected" or SIGSEGV in 6 of 8
+    runs of the compiled ZeRO step on the benchmark GPT, 40 rounds each; none in 3 of
+    3 with the all-to-all, nor eagerly). Elsewhere it is the functional all-gather;
+    one collective keeps the ranks' graphs free of rank-dependent inputs.
     """
     local = _local("all_gather", x, group)
     if local is not None:
         return local
-    if not on_gloo(group) or torch.compiler.is_compiling():
+    replicas = _replicas(group)
+    if replicas is not None:
+        return replicas.all_gather(x.reshape(-1) if x.dim() == 0 else x)
+    if not on_gloo(group):
         gathered: torch.Tensor = _all_gather(x, 0, _funcol_group(group))
         return gathered
-    n, me = size(group), rank(group)
+    n = size(group)
     x = x.reshape(-1) if x.dim() == 0 else x  # a scalar gathers into a vector, as c10d's does
+    if torch.compiler.is_compiling():
+        repeated = torch.cat([x] * n)
+        exchanged: torch.Tensor = funcol.all_to_all_single(
+            repeated, None, None, _funcol_group(group)
+        )
+        return exchanged
+    me = rank(group)
     # Eagerly: every rank's part arrives in place in one buffer, this rank's copied in.
     out = x.new_empty((n * x.shape[0], *x.shape[1:]))
     chunks = out.chunk(n)
     chunks[me].copy_(x)
-    _broadcast_in_place(chunks, range(n), process_group(group))
-    return out
+    return Pending(out, _issue_broadcasts(chunks, range(n), process_group(group)))
 
 
 def reduce_scatter(x: torch.Tensor, op: str, group: Group) -> torch.Tensor:
@@ -337,24 +437,53 @@ def reduce_scatter(x: torch.Tensor, op: str, group: Group) -> torch.Tensor:
 
     On gloo a sum is an all-to-all of the chunks and a local sum in rank order
     (see ``on_gloo``): each rank's chunk is summed on that rank alone, and every
-    rank sends what gloo's reduce-scatter would.
+    rank sends what gloo's reduce-scatter would. That sum waits for the
+    all-to-all: reduce-scatter several tensors with ``reduce_scatters``.
     """
-    local = _local("reduce_scatter", x, group, op)
-    if local is not None:
-        return local
-    if op != "sum" or not on_gloo(group):
-        shard: torch.Tensor = _reduce_scatter(x, op, 0, _funcol_group(group))
-        return shard
+    (shard,) = reduce_scatters([x], op, group)
+    return shard
+
+
+def reduce_scatters(xs: Iterable[torch.Tensor], op: str, group: Group) -> list[torch.Tensor]:
+    """``reduce_scatter`` of each of ``xs``, every one issued before the first is waited for.
+
+    Eagerly each is issued as ``xs`` yields it. Where a reduce-scatter is an
+    all-to-all and a local sum (gloo), the sums follow every issue: in a
+    compiled graph a wait cannot move past a later collective (inductor's
+    ``sink_waits_iterative``), so a sum right after its own all-to-all would
+    hold every later bucket's collective, and the compute before it, until that
+    one had arrived.
+    """
+    out: list[torch.Tensor] = []
+    pending: list[tuple[int, torch.Tensor]] = []
+    for x in xs:
+        local = _local("reduce_scatter", x, group, op)
+        if local is not None:
+            out.append(local)
+        elif isinstance(group, ReplicaGroup):  # rare across replicas: the reduce, then a chunk
+            out.append(all_reduce(x, op, group).chunk(size(group))[rank(group)])
+        elif op != "sum" or not on_gloo(group):
+            shard: torch.Tensor = _reduce_scatter(x, op, 0, _funcol_group(group))
+            out.append(shard)
+        else:
+            pending.append(
+                (len(out), funcol.all_to_all_single(x, None, None, _funcol_group(group)))
+            )
+            out.append(x)  # replaced below
     n = size(group)
-    received = funcol.all_to_all_single(x, None, None, _funcol_group(group))
-    # Chunk k is rank k's part of this rank's shard: added up in rank order, on this rank
-    # only, by elementwise adds (a sum over a strided dim takes twice as long eagerly).
-    return functools.reduce(torch.add, wait(received).chunk(n))
+    for k, received in pending:
+        # Chunk r is rank r's part of this rank's shard: added up in rank order, on this rank
+        # only, by elementwise adds (a sum over a strided dim takes twice as long eagerly).
+        out[k] = functools.reduce(torch.add, wait(received).chunk(n))
+    return out
 
 
 def broadcast(x: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     """Rank ``src``'s ``x`` (``src`` counted within ``group``)."""
     received: torch.Tensor | None = _local("broadcast", x, group)
+    replicas = _replicas(group)
+    if received is None and replicas is not None:
+        return wait(replicas.broadcast(x.clone(), src))
     return funcol.broadcast(x, src, _funcol_group(group)) if received is None else received
 
 
@@ -369,6 +498,7 @@ def broadcasts(tensors: list[torch.Tensor], sources: list[int], group: Group) ->
     that ranks issue collectives in different orders and wait on each other forever.
     """
     if not torch.compiler.is_compiling() or size(group) == 1 or isinstance(group, Recorder):
+        _replicas(group)
         return [wait(broadcast(t, src, group)) for t, src in zip(tensors, sources, strict=True)]
     received: list[torch.Tensor] = _broadcasts_op(tensors, sources, group_name(group))
     return received
@@ -393,34 +523,50 @@ def _(tensors: list[torch.Tensor], sources: list[int], group: str) -> list[torch
     return [torch.empty_like(t) for t in tensors]
 
 
-def wait(x: torch.Tensor, stage: str | Callable[[], str] = "") -> torch.Tensor:
+def in_flight(x: Issued) -> bool:
+    """Whether ``x`` is a collective's result that ``wait`` may still wait for (a plain
+    tensor has arrived: it was waited for already, or never left this rank)."""
+    return isinstance(x, Pending | funcol.AsyncCollectiveTensor)
+
+
+def wait(x: Issued, stage: str | Callable[[], str] = "") -> torch.Tensor:
     """Waits for a collective's result and returns it as a plain tensor.
 
     A collective that fails (a peer died, timed out, or called something else)
     raises ``CollectiveError`` saying what to check, with ``stage`` (which part of
     the sync waited; a function is called only then), for ``named`` to complete.
     """
+    if isinstance(x, Pending):
+        for work in x.works:
+            _wait_work(work, stage)
+        return x.tensor
     if not isinstance(x, funcol.AsyncCollectiveTensor):
         return x
     waited: torch.Tensor = _wait_work(x, stage)
     return waited
 
 
+def _issue_broadcasts(
+    tensors: Sequence[torch.Tensor], sources: Iterable[int], pg: dist.ProcessGroup
+) -> tuple[Any, ...]:
+    """Has tensor ``k`` overwritten with rank ``sources[k]``'s (ranks within ``pg``), in order.
+
+    Returns the c10d ``Work`` of each, none waited for: torch releases differ in
+    whether a functional collective's wait keeps every work registered on one
+    storage, so buffers sharing one storage wait through their ``Work``s (a
+    ``Pending``).
+    """
+    return tuple(
+        dist.broadcast(t, dist.get_global_rank(pg, src), group=pg, async_op=True)
+        for t, src in zip(tensors, sources, strict=True)
+    )
+
+
 def _broadcast_in_place(
     tensors: Sequence[torch.Tensor], sources: Iterable[int], pg: dist.ProcessGroup
 ) -> None:
-    """Overwrites tensor ``k`` with rank ``sources[k]``'s (ranks within ``pg``), in order.
-
-    All are issued before the first is waited for, each on its own c10d ``Work``:
-    torch releases differ in whether a functional collective's wait keeps every
-    work registered on one storage, so buffers sharing one wait through their ``Work``.
-    """
-    issued = [
-        dist.broadcast(t, dist.get_global_rank(pg, src), group=pg, async_op=True)
-        for t, src in zip(tensors, sources, strict=True)
-    ]
-    for work in issued:
-        _wait_work(work)
+    """``_issue_broadcasts``, every one waited for."""
+    wait(Pending(torch.empty(0), _issue_broadcasts(tensors, sources, pg)))
 
 
 def _wait_work(work: Any, stage: str | Callable[[], str] = "") -> Any:
@@ -472,7 +618,7 @@ class CollectiveError(RuntimeError):
 
 def sequence_number(group: Group) -> int:
     """How many collectives this rank has issued on ``group`` (c10d's count); -1 if unknown."""
-    if isinstance(group, Recorder) or size(group) == 1:
+    if isinstance(group, Recorder | ReplicaGroup) or size(group) == 1:
         return -1
     try:
         pg: Any = process_group(group)
@@ -497,6 +643,9 @@ def named(
     if failure.reports is not None:
         return failure
     stage = failure.stage or stage or "a collective"
+    if isinstance(group, ReplicaGroup):  # the runtime names and handles a replica's failure
+        message = f"an fsync collective across replicas failed at {stage}."
+        return CollectiveError(message, stage=stage, backend=failure.backend, reports={})
     steps = None if step is None else int(step)
     record = {"stage": stage, "step": steps}
     reports = _reports(group, start, record)
@@ -602,6 +751,8 @@ def default_device(group: Group) -> torch.device:
     """Where small control tensors for ``group`` live (CPU for gloo, the GPU for NCCL)."""
     if isinstance(group, Recorder):
         return torch.device("cpu")
+    if isinstance(group, ReplicaGroup):
+        return group.device
     backend = str(dist.get_backend(process_group(group)))
     if "gloo" in backend or not torch.cuda.is_available():
         return torch.device("cpu")

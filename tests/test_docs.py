@@ -19,6 +19,8 @@ from __future__ import annotations
 import inspect
 import pathlib
 import re
+import sys
+import types
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ from tests._world import World
 DOCS = pathlib.Path(__file__).parent.parent / "docs"
 GUIDE = DOCS / "migrating-from-ddp.md"
 GETTING_STARTED = DOCS / "getting-started.md"
+ZERO_GUIDE = DOCS / "zero.md"  # run as one script, after the guides' preamble
 
 
 def _blocks(text: str) -> list[tuple[str, str]]:
@@ -51,8 +54,11 @@ def _slug(heading: str) -> str:
 
 # Pages whose python blocks this file does not run, with the reason.
 _NOT_RUN_HERE = {
-    "zero.md": "the ZeRO guide's snippets are being reworked with tests/test_zero.py",
     "api.md": "mkdocstrings directives only; the docstrings' examples run as doctests",
+    "fault-tolerance.md": (
+        "needs a lighthouse and replica processes: its step is examples/fault_tolerance.py's, "
+        "which tests/test_examples.py runs with a replica killed"
+    ),
 }
 # Blocks that are not code to run, by page and first line, with the reason.
 _FRAGMENTS = {
@@ -80,8 +86,16 @@ _SNIPPETS = [
 ]
 
 
+def _namespace() -> dict:
+    """The globals of an example: a module of its own, importable as a script's
+    ``__main__`` is (``torch.compile`` looks a function's module up by name)."""
+    module = types.ModuleType("docs_example")
+    sys.modules[module.__name__] = module
+    return module.__dict__
+
+
 def _on_rank_snippet(preamble: str, code: str, where: str = "example") -> None:
-    namespace: dict = {"__name__": "docs_example"}
+    namespace = _namespace()
     exec(compile(preamble, "preamble", "exec"), namespace)
     exec(compile(code, where, "exec"), namespace)
 
@@ -98,7 +112,7 @@ def _on_rank_script(page: str, blocks: list[tuple[str, str]]) -> None:
 
     dist.init_process_group = joined
     try:
-        namespace: dict = {"__name__": "docs_example"}
+        namespace = _namespace()
         for heading, code in blocks:
             exec(compile(code, f"{page}, {heading}", "exec"), namespace)
     finally:
@@ -126,6 +140,13 @@ def test_guide_snippet_runs(world: World, page, heading, code):
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)
+def test_zero_guide_runs_as_one_script(world: World):
+    blocks = _blocks(ZERO_GUIDE.read_text())
+    assert len(blocks) >= 5
+    world.run(_on_rank_script, ZERO_GUIDE.name, [("preamble", _CONTEXT), *blocks], timeout=300)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
 def test_getting_started_runs_as_one_script(world: World):
     blocks = _blocks(GETTING_STARTED.read_text())
     assert len(blocks) >= 4
@@ -149,7 +170,7 @@ def test_getting_started_quotes_torchs_batchnorm_error():
 
 def test_every_page_is_run():
     with_code = {page.name for page in DOCS.glob("*.md") if _blocks(page.read_text())}
-    run = {GUIDE.name, GETTING_STARTED.name, *_GUIDES}
+    run = {GUIDE.name, GETTING_STARTED.name, ZERO_GUIDE.name, *_GUIDES}
     assert with_code - set(_NOT_RUN_HERE) <= run, "a page whose snippets no test runs"
     assert not run & set(_NOT_RUN_HERE)
     for page in _GUIDES:

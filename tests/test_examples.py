@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import fsync
-from tests._launch import RUN_TIMEOUT, torchrun
+from tests._launch import ROOT, RUN_TIMEOUT, environment, torchrun
 
 
 def number(pattern: str, text: str) -> float:
@@ -132,3 +134,20 @@ def test_diloco_sends_a_sixteenth_and_draws_the_plot(tmp_path):
     assert "diloco sent 16.0x fewer bytes than ddp" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "OK: parameters identical on all 2 ranks after each run" in out
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_fault_tolerance_survives_a_replica_killed_in_backward():
+    pytest.importorskip("torchft", reason="fsync.ft needs torchft: pip install -e '.[test]'")
+    command = [sys.executable, "examples/fault_tolerance.py", "--replicas", "3", "--steps", "16"]
+    done = subprocess.run(
+        [*command, "--kill", "1:6", "--timeout", "5"],
+        cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-4000:]
+    assert "replica 1 was killed; restarting it" in out
+    assert number(r"^replica 1: \d+ steps committed, \d+ discarded, healed (\d+) times", out) >= 1
+    for k in (0, 2):  # the survivors lost the step replica 1 died in, and went on
+        assert number(rf"^replica {k}: \d+ steps committed, (\d+) discarded", out) >= 1
+    assert "OK: parameters and optimizer states identical on all 3 replicas" in out

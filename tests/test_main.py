@@ -17,11 +17,12 @@ import types
 import pytest
 
 import fsync
+import fsync.ft
 import fsync.ops
 import fsync.optim
 
 ROOT = pathlib.Path(__file__).parent.parent
-MODULES = (fsync, fsync.ops, fsync.optim)
+MODULES = (fsync, fsync.ops, fsync.optim, fsync.ft)
 
 
 def test_python_m_fsync_reports_and_self_checks():

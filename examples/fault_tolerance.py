@@ -1,0 +1,197 @@
+"""The main job surviving a dead replica: fsync.ft on torchft, each step a transaction.
+
+Run three replicas on one machine, kill replica 1 with SIGKILL in the middle of
+its backward pass at step 20 (its first buckets already on the wire) and restart it:
+
+    python examples/fault_tolerance.py --replicas 3 --steps 60 --kill 1:20
+
+This process starts a torchft lighthouse and one process per replica group
+(``--replica K``, which is also how a cluster starts them, each with the
+lighthouse's address); it restarts a replica that died of a signal, once. Each
+replica trains ``train.py``'s MLP on its own shard of the same synthetic task,
+eagerly: ``fsync.ft.Replica.step`` wraps the functional step (gradients synced
+across the live replicas during backward, ``fsync.optim.adam``), so a step whose
+collectives fail is discarded and the survivors go on; the restarted replica
+heals from a peer (parameters, Adam state, sync state, step count). At the end
+every replica has committed the same steps, and this process checks that their
+parameters and optimizer states are identical, bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import nn
+from train import make_model
+
+import fsync
+import fsync.ft
+
+
+class State(NamedTuple):
+    """Everything a step commits, and a peer that heals receives."""
+
+    params: dict[str, torch.Tensor]
+    opt: Any
+    sync: fsync.SyncState
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, default=3, help="replica groups to start")
+    parser.add_argument("--steps", type=int, default=60, help="steps the job commits")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument(
+        "--kill", default=None, metavar="REPLICA:STEP", help="SIGKILL a replica in backward"
+    )
+    parser.add_argument("--timeout", type=float, default=10.0, help="torchft's timeout (s)")
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        default=None,
+        help="replicas a step needs (default: all, so that the survivors wait, at the quorum, "
+        "for a killed replica's restart; with fewer they go on without it, and a run that "
+        "ends before it is back leaves it nothing to heal from)",
+    )
+    parser.add_argument("--replica", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--lighthouse", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--die-at", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def replica(args: argparse.Namespace) -> None:
+    """One replica group of one process: train until the job has committed ``--steps``."""
+    torch.set_num_threads(1)
+    me = fsync.ft.Replica.connect(
+        args.lighthouse,
+        replica_id=f"replica_{args.replica}",
+        timeout=datetime.timedelta(seconds=args.timeout),
+    )
+    torch.manual_seed(0)  # the same teacher and initial student in every replica
+    teacher, model = make_model(64), make_model(args.width)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    opt = fsync.optim.adam(args.lr)
+    sync = fsync.GradSync(group=me.group, bucket_cap_mb=0.25, first_bucket_mb=0.25)
+    state = State(params, opt.init(params), sync.init(params))
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+        out = torch.func.functional_call(model, params, (x,))
+        if args.die_at is not None and int(state.sync.step) == args.die_at:
+            out.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+        return nn.functional.mse_loss(out, y)
+
+    grad_fn = sync.grad_and_value(loss_fn)
+
+    def train_step(state: State) -> tuple[State, float]:
+        # The batch of the step the job is at (after a heal, the peer's): this replica's shard.
+        data = torch.Generator().manual_seed(1000 * int(state.sync.step) + args.replica)
+        x = torch.randn(args.batch, 32, generator=data)
+        with torch.no_grad():
+            y = teacher(x)
+        (grads, loss), sync_state = grad_fn(state.sync, state.params, x, y)
+        params, opt_state = opt.update(state.params, grads, state.opt)
+        return State(params, opt_state, sync_state), float(loss)
+
+    step = me.step(train_step)
+    report = {"committed": 0, "discarded": 0, "healed": 0, "slowest_s": 0.0, "loss": None}
+    outcome = None
+    while outcome is None or outcome.step < args.steps:
+        started = time.perf_counter()
+        state, outcome = step(state)
+        report["slowest_s"] = max(report["slowest_s"], time.perf_counter() - started)
+        report["committed" if outcome.committed else "discarded"] += 1
+        report["healed"] += outcome.healed
+        if outcome.committed:
+            report["loss"] = outcome.value
+    torch.save(state, pathlib.Path(args.out) / f"state-{args.replica}.pt")
+    (pathlib.Path(args.out) / f"report-{args.replica}.json").write_text(json.dumps(report))
+    me.close()
+    os._exit(0)  # torchft's threads need not be joined
+
+
+def launch(args: argparse.Namespace) -> None:
+    """The lighthouse here, a process per replica, one restart of a killed one, the checks."""
+    kill = None if args.kill is None else tuple(int(v) for v in args.kill.split(":"))
+    minimum = args.replicas if args.min_replicas is None else args.min_replicas
+    lighthouse = fsync.ft.lighthouse(min_replicas=minimum, join_timeout_ms=1000)
+    out = pathlib.Path(tempfile.mkdtemp(prefix="fsync-ft-"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
+
+    def start(k: int, die_at: int | None = None) -> subprocess.Popen[bytes]:
+        command = [sys.executable, __file__, "--replica", str(k), "--out", str(out)]
+        command += ["--lighthouse", lighthouse.address(), "--steps", str(args.steps)]
+        command += ["--batch", str(args.batch), "--width", str(args.width), "--lr", str(args.lr)]
+        command += ["--timeout", str(args.timeout)]
+        command += [] if die_at is None else ["--die-at", str(die_at)]
+        return subprocess.Popen(command, env=env)
+
+    print(
+        f"fsync {fsync.__version__} on torchft: {args.replicas} replicas, {args.steps} steps"
+        + ("" if kill is None else f", replica {kill[0]} killed in backward at step {kill[1]}")
+    )
+    started = time.perf_counter()
+    procs = {
+        k: start(k, kill[1] if kill is not None and kill[0] == k else None)
+        for k in range(args.replicas)
+    }
+    restarted = set()
+    while procs:
+        time.sleep(0.1)
+        for k, proc in list(procs.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            if code == -signal.SIGKILL and k not in restarted:
+                print(f"replica {k} was killed; restarting it")
+                restarted.add(k)
+                procs[k] = start(k)
+                continue
+            if code != 0:
+                raise SystemExit(f"replica {k} failed with exit code {code}")
+            del procs[k]
+    elapsed = time.perf_counter() - started
+    lighthouse.shutdown()
+    states = [torch.load(out / f"state-{k}.pt", weights_only=False) for k in range(args.replicas)]
+    for k in range(args.replicas):
+        report = json.loads((out / f"report-{k}.json").read_text())
+        print(
+            f"replica {k}: {report['committed']} steps committed, {report['discarded']} "
+            f"discarded, healed {report['healed']} times, "
+            f"slowest step {report['slowest_s']:.2f} s, "
+            f"last loss {report['loss']:.4f}"
+        )
+    leaves = [optree.tree_leaves(s) for s in states]
+    same = all(
+        all(torch.equal(a, b) for a, b in zip(leaves[0], other, strict=True) if not a.is_meta)
+        for other in leaves[1:]
+    )
+    steps = {int(s.sync.step) for s in states}
+    print(f"{args.steps} steps in {elapsed:.1f} s; sync steps {sorted(steps)}")
+    if not same or steps != {args.steps}:
+        raise SystemExit("FAILED: the replicas' states differ")
+    print(f"OK: parameters and optimizer states identical on all {args.replicas} replicas")
+
+
+def main() -> None:
+    args = parse_args()
+    replica(args) if args.replica is not None else launch(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+"""Fault-tolerant data parallelism on torchft: each step a transaction over fsync's state.
+
+``pip install 'fsync[ft]'`` brings torchft; it is imported on first use. See the
+guide "Fault tolerance" (docs/fault-tolerance.md).
+"""
+
+from fsync.ft._torchft import ManagerGroup, lighthouse
+from fsync.ft._transaction import Outcome, Replica
+
+__all__ = ["ManagerGroup", "Outcome", "Replica", "lighthouse"]

@@ -1,0 +1,205 @@
+"""fsync's link to torchft: the lazy import, the replica group, the Manager's wiring.
+
+torchft (``pip install 'fsync[ft]'``) forms a quorum of replica groups at every
+step (a lighthouse decides who is in), gives each replica group a ``Manager``
+whose process group spans the live replicas, and heals a replica that joins
+from a peer. ``ManagerGroup`` is that process group as an fsync group
+(``_comm.ReplicaGroup``): an all-reduce goes through ``Manager.allreduce`` (as
+a sum: fsync divides a mean itself, by the step's participant count), which
+reports a failure to the Manager itself; the wait then raises, so that fsync's
+sync stops at the first failed bucket with a ``CollectiveError`` and the step
+(``_transaction``) is discarded. The rarer collectives (the all-gathers that
+name a disagreement, a broadcast) go to the Manager's process group directly,
+and a failure of theirs is reported to the Manager too.
+
+Owns: every name of torchft fsync uses. May import: ``_comm`` (and torchft,
+lazily).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+from typing import Any
+
+import torch
+
+from fsync import _comm
+
+EXTRA = "ft"
+_MISSING = (
+    "fsync.ft needs torchft, which is not installed: pip install 'fsync[{extra}]' (torchft "
+    "0.2.0). {error}"
+)
+_REDUCE_OPS = {"sum": "SUM", "avg": "AVG", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+
+
+def _module(name: str = "") -> Any:
+    """``torchft`` (or its submodule ``name``), imported on first use."""
+    try:
+        return importlib.import_module("torchft" + (f".{name}" if name else ""))
+    except ImportError as error:
+        raise ImportError(_MISSING.format(extra=EXTRA, error=error)) from error
+
+
+def torchft() -> Any:
+    """The ``torchft`` module, imported on first use; a clear ``ImportError`` without it."""
+    return _module()
+
+
+class _Checked:
+    """A ``Work`` whose ``wait`` raises when the Manager has seen a failure this step."""
+
+    def __init__(self, work: Any, manager: Any) -> None:
+        self._work, self._manager = work, manager
+
+    def wait(self) -> bool:
+        try:
+            ok = self._work.wait()
+        except RuntimeError as error:  # the process group's own collectives raise
+            self._manager.report_error(error)
+            raise
+        failed = self._manager.errored()
+        if failed is not None or ok is False:
+            raise RuntimeError(f"torchft's Manager reported a failure this step: {failed}")
+        return True
+
+
+class ManagerGroup(_comm.ReplicaGroup):
+    """The replicas of a torchft ``Manager``'s quorum, as an fsync group (eager only).
+
+    Inside a step of [fsync.ft.Replica][] (after its quorum) the group is the
+    quorum's replicas; between steps it is this replica alone, so that
+    ``GradSync.init`` and ``diloco(...).init`` plan without a collective (the
+    first step's agreement and every heal compare the plans across replicas).
+
+    Args:
+        manager: A ``torchft.Manager`` (one per rank of a replica group).
+        device: Where small control tensors live (the GPU with NCCL).
+
+    Attributes:
+        manager: The ``torchft.Manager`` given.
+        live: Whether a step's quorum is on (set by [fsync.ft.Replica][]).
+    """
+
+    def __init__(self, manager: Any, *, device: torch.device | str = "cpu") -> None:
+        self.manager = manager
+        self._device = torch.device(device)
+        self.live = False
+
+    def __repr__(self) -> str:
+        return f"ManagerGroup({self.manager!r})"
+
+    @property
+    def device(self) -> torch.device:
+        """Where fsync puts this group's small control tensors."""
+        return self._device
+
+    def size(self) -> int:
+        """The replicas in this step's quorum; 1 between steps."""
+        return int(self.manager.num_participants()) if self.live else 1
+
+    def rank(self) -> int:
+        """This replica's place in the quorum; 0 between steps."""
+        if not self.live:
+            return 0
+        rank = self.manager.participating_rank()
+        if rank is None:
+            raise RuntimeError(
+                "this replica takes no part in the current quorum (a spare, or healing): "
+                "sync inside the step of fsync.ft.Replica, after its quorum."
+            )
+        return int(rank)
+
+    def all_reduce(self, x: torch.Tensor, op: str) -> _comm.Pending:
+        """``x`` reduced across the quorum by the Manager (a failure is the Manager's)."""
+        # c10d's names, as torchft imports them (fsync's own c10d calls live in _comm).
+        reduce_op = getattr(_module("process_group").ReduceOp, _REDUCE_OPS[op])
+        work = self.manager.allreduce(x, reduce_op=reduce_op)
+        return _comm.Pending(x, (_Checked(work, self.manager),))
+
+    def all_gather(self, x: torch.Tensor) -> _comm.Pending:
+        """Every replica's ``x`` along dim 0, on the Manager's process group."""
+        n = self.size()
+        out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+        options = _module("process_group").AllgatherOptions()
+        work = self._issue(lambda pg: pg.allgather([list(out.chunk(n))], [x], options))
+        return _comm.Pending(out, (work,))
+
+    def broadcast(self, x: torch.Tensor, src: int) -> _comm.Pending:
+        """Replica ``src``'s ``x``, on the Manager's process group."""
+        options = _module("process_group").BroadcastOptions()
+        options.rootRank = src
+        return _comm.Pending(x, (self._issue(lambda pg: pg.broadcast([x], options)),))
+
+    def _issue(self, call: Any) -> _Checked:
+        """``call(pg)`` on the Manager's process group, a failure reported to the Manager."""
+        self.manager.wait_quorum()
+        try:
+            return _Checked(call(self.manager._pg), self.manager)
+        except RuntimeError as error:
+            self.manager.report_error(error)
+            raise
+
+
+def lighthouse(min_replicas: int = 1, *, join_timeout_ms: int = 100) -> Any:
+    """An in-process torchft lighthouse on a free port (``.address()``, ``.shutdown()``).
+
+    For tests, examples and single-machine jobs; a cluster runs ``torchft_lighthouse``.
+    ``join_timeout_ms`` is how long a quorum waits for replicas beyond ``min_replicas``.
+    """
+    return _module("coordination").LighthouseServer(
+        bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms
+    )
+
+
+def manager(
+    lighthouse_addr: str,
+    replica_id: str,
+    *,
+    min_replicas: int = 1,
+    timeout: datetime.timedelta,
+    quorum_timeout: datetime.timedelta,
+    rank: int = 0,
+    world_size: int = 1,
+    store: tuple[str, int] | None = None,
+    hostname: str = "localhost",
+) -> Any:
+    """A torchft ``Manager`` over gloo with fsync's state callbacks left to register.
+
+    ``store`` is the replica group's TCPStore ``(host, port)``; a one-rank replica
+    group (``world_size=1``) starts its own. Quorums are synchronous, so that a
+    replica that heals has its state before the step runs.
+    """
+    ft = torchft()
+    own_store = None
+    if store is None:
+        if world_size != 1:
+            raise ValueError(
+                f"a replica group of {world_size} ranks needs its TCPStore: pass store=(host, "
+                "port) (torchrun's MASTER_ADDR and MASTER_PORT), the same on each of its ranks."
+            )
+        own_store = _module("manager").TCPStore(
+            "localhost", 0, is_master=True, wait_for_workers=False
+        )
+        store = ("localhost", own_store.port)
+    made = ft.Manager(
+        pg=ft.ProcessGroupGloo(timeout=timeout),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=min_replicas,
+        use_async_quorum=False,
+        timeout=timeout,
+        quorum_timeout=quorum_timeout,
+        connect_timeout=quorum_timeout,
+        rank=rank,
+        world_size=world_size,
+        store_addr=store[0],
+        store_port=store[1],
+        lighthouse_addr=lighthouse_addr,
+        replica_id=replica_id,
+        hostname=hostname,
+        port=0,
+    )
+    made._fsync_store = own_store  # kept alive as long as the Manager
+    return made

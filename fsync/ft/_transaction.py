@@ -1,0 +1,210 @@
+"""The step as a transaction: quorum, gradients, sync, then commit or keep the old state.
+
+A functional step ``fn(state, *args) -> (new_state, value)`` computes a new
+state and modifies nothing it was given; so discarding a step is returning the
+old state. ``Replica.step(fn)`` wraps it:
+
+1. ``Manager.start_quorum()``: the lighthouse's quorum for this step; the
+   process group spans the live replicas; a replica that joins (or fell
+   behind) receives the committed state from a peer (``_heal``), which
+   replaces the state passed in;
+2. ``fn`` runs, its fsync collectives across replicas over ``Replica.group``;
+   a collective that fails (a peer died or hung) is reported to the Manager
+   and ends ``fn`` with a ``CollectiveError``, which the step swallows;
+3. ``Manager.should_commit()``: the new state if every participant of this
+   replica group succeeded, else the old one.
+
+Nothing but ``fn``'s own errors leaves the step: a disagreement between live
+replicas is still a ``ValueError`` everywhere, and a replica that joins with
+another tree or other options gets a ``ValueError`` at its heal, alone.
+
+Owns: the transaction and the state served to peers. May import: ``_comm``,
+``fsync.ft._torchft``, ``fsync.ft._heal``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from fsync import _comm
+from fsync.ft import _heal, _torchft
+
+_UNSET: Any = object()
+
+_NOT_A_PAIR = (
+    "the step function returned {got}; expected a pair (new_state, value): the new state "
+    "(the whole state the transaction commits or discards) and anything else (the loss, "
+    "say; None if nothing). End fn with `return state, loss`."
+)
+
+
+class Outcome(NamedTuple):
+    """What became of one step of [fsync.ft.Replica.step][].
+
+    Attributes:
+        committed: Whether this step's new state was kept (else the state
+            returned is the one the step started from, or the one healed).
+        value: What ``fn`` returned beside the state (``None`` when it failed).
+        step: The number of steps the job has committed, this one included
+            (torchft's count: the same on every replica after a heal).
+        participants: The number of replicas in this step's quorum (the
+            divisor of a mean).
+        healed: Whether this replica received the state from a peer this step.
+        error: The collective failure that discarded this step, if any.
+    """
+
+    committed: bool
+    value: Any
+    step: int
+    participants: int
+    healed: bool
+    error: str | None
+
+
+class Replica:
+    """This process's replica group in a torchft job: its group for fsync and its transactions.
+
+    Settings and the torchft ``Manager`` only; the state is the caller's. The
+    state served to a peer that heals is the one this replica last committed
+    (kept between steps because torchft asks for it through a callback).
+
+    Args:
+        manager: A ``torchft.Manager`` made with ``use_async_quorum=False`` and
+            no state callbacks (``Replica`` registers its own, under "fsync"),
+            or use [connect][fsync.ft.Replica.connect].
+        device: Where fsync's small control tensors live (``"cuda"`` with NCCL).
+
+    Attributes:
+        manager: The ``torchft.Manager``.
+        group: The live replicas as an fsync group: pass it as ``group=`` to
+            [fsync.GradSync][], [fsync.grad_and_value][], [fsync.diloco][] ...
+
+    Example (not run here: it needs a lighthouse and peers):
+
+        replica = fsync.ft.Replica.connect(lighthouse_addr, replica_id="0")
+        sync = fsync.GradSync(group=replica.group)
+        step = replica.step(train_step)  # train_step(state, batch) -> (state, loss)
+        state, outcome = step(state, batch)
+    """
+
+    def __init__(self, manager: Any, *, device: torch.device | str = "cpu") -> None:
+        if getattr(manager, "_use_async_quorum", False):
+            raise ValueError(
+                "the Manager was made with use_async_quorum=True; a transaction needs its "
+                "quorum (and a heal) before the step runs: make it with use_async_quorum=False."
+            )
+        self.manager = manager
+        self.group = _torchft.ManagerGroup(manager, device=device)
+        self._committed: Any = _UNSET
+        self._healed: Any = _UNSET
+        manager.register_state_dict_fn("fsync", self._load, self._save)
+
+    @classmethod
+    def connect(
+        cls,
+        lighthouse_addr: str,
+        replica_id: str,
+        *,
+        min_replicas: int = 1,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=30),
+        quorum_timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+        rank: int = 0,
+        world_size: int = 1,
+        store: tuple[str, int] | None = None,
+        hostname: str = "localhost",
+    ) -> Replica:
+        """A ``Replica`` over a new torchft ``Manager`` (gloo) joined to a lighthouse.
+
+        Args:
+            lighthouse_addr: The lighthouse's address (``http://host:port``).
+            replica_id: This replica group's name, stable across its restarts.
+            min_replicas: The fewest replicas a step may commit with.
+            timeout: How long a collective, a commit or a heal may take: a hung
+                peer costs the survivors this much once.
+            quorum_timeout: How long a quorum may take to form.
+            rank: This process's rank within its replica group.
+            world_size: The ranks of a replica group (each has its own Manager).
+            store: The replica group's TCPStore ``(host, port)``; a one-rank
+                replica group starts its own.
+            hostname: How peers reach this replica group's rank 0.
+        """
+        made = _torchft.manager(
+            lighthouse_addr,
+            replica_id,
+            min_replicas=min_replicas,
+            timeout=timeout,
+            quorum_timeout=quorum_timeout,
+            rank=rank,
+            world_size=world_size,
+            store=store,
+            hostname=hostname,
+        )
+        return cls(made)
+
+    def step(self, fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Outcome]]:
+        """``fn(state, *args) -> (state, value)`` as a transaction across the replicas.
+
+        Returns:
+            ``step(state, *args, **kwargs) -> (state, Outcome)``: ``fn``'s new
+            state when the step commits, else the state it started from (after
+            a heal, the peer's). ``fn`` must not modify its arguments in place.
+
+        Raises:
+            ValueError: The state a peer sent does not fit this replica's (at a
+                heal), or the live replicas disagree (``fn``'s sync).
+        """
+
+        @functools.wraps(fn)
+        def transaction(state: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Outcome]:
+            return self._run(fn, state, args, kwargs)
+
+        return transaction
+
+    def close(self) -> None:
+        """Shuts the Manager down (its server, its checkpoint transport)."""
+        self.manager.shutdown(wait=False)
+
+    def _run(
+        self, fn: Callable[..., Any], state: Any, args: Any, kwargs: Any
+    ) -> tuple[Any, Outcome]:
+        self._committed = state
+        self.manager.start_quorum()
+        healed = self._healed is not _UNSET
+        if healed:
+            state, self._healed = self._healed, _UNSET
+            self._committed = state
+        error: _comm.CollectiveError | None = None
+        self.group.live = True
+        try:
+            result = fn(state, *args, **kwargs)
+        except _comm.CollectiveError as failure:
+            self.manager.report_error(failure)
+            result, error = (state, None), failure
+        finally:
+            self.group.live = False
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise TypeError(_NOT_A_PAIR.format(got=type(result).__name__))
+        new_state, value = result
+        committed = bool(self.manager.should_commit())
+        if committed:
+            self._committed = new_state
+        outcome = Outcome(
+            committed=committed,
+            value=value,
+            step=int(self.manager.current_step()),
+            participants=int(self.manager.num_participants()),
+            healed=healed,
+            error=None if error is None else str(error),
+        )
+        return (new_state if committed else state), outcome
+
+    def _save(self) -> dict[str, Any]:
+        return _heal.payload(self._committed)
+
+    def _load(self, sent: Any) -> None:
+        self._healed = _heal.received(self._committed, sent)

@@ -1,0 +1,245 @@
+"""Replica processes of a fault-tolerant job (``fsync.ft`` over torchft) for the tests.
+
+``Job`` starts an in-process lighthouse and replica processes (``python -m
+tests._replicas CONFIG``), kills one with SIGKILL where a test says (inside
+backward, with buckets in flight, or between steps), restarts it, and reads what
+each replica left: a log of its steps (JSON lines) and its final state.
+
+A replica trains a small MLP (several buckets) with a transaction per step
+until the job has committed ``steps`` steps. Its batch is a function of the
+committed step and its replica index, so that a run without failures is the
+same computation as plain fsync over that many ranks (``plain``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, NamedTuple
+
+import torch
+
+ROOT = pathlib.Path(__file__).parents[1]
+WIDTH, DEPTH, BATCH = 16, 3, 8
+
+
+class TrainState(NamedTuple):
+    params: Any
+    opt: Any
+    sync: Any
+    count: torch.Tensor  # the updates applied to params: must equal the committed steps
+
+
+def model(width: int = WIDTH) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    params = {}
+    for k in range(DEPTH):
+        params[f"{k}.w"] = torch.randn(width, width) / width**0.5
+        params[f"{k}.b"] = torch.zeros(width)
+    return params
+
+
+def batch(step: int, replica: int, width: int = WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + replica)
+    return torch.randn(BATCH, width, generator=g), torch.randn(BATCH, width, generator=g)
+
+
+def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, kill: Any = None):
+    h = x
+    for k in range(DEPTH):
+        h = h @ params[f"{k}.w"] + params[f"{k}.b"]
+        if k == 0 and kill is not None:
+            h.register_hook(kill)  # the first layer's gradient: the last buckets of backward
+        if k < DEPTH - 1:
+            h = torch.tanh(h)
+    return ((h - y) ** 2).mean()
+
+
+def setup(config: dict[str, Any], group: Any):
+    """The sync, the optimizer and the initial state a replica (or a plain rank) starts with."""
+    import fsync
+
+    hook = fsync.ops.powersgd(rank=1, start_step=2) if config["hook"] == "powersgd" else None
+    # ~1 KiB buckets: one per layer or two, so a kill in backward leaves some started.
+    sync = fsync.GradSync(group=group, hook=hook, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+    opt = fsync.optim.sgd(0.05, momentum=0.9)
+    params = model(config.get("width", WIDTH))
+    if config["mode"] == "diloco":
+        outer = fsync.diloco(2, group=group, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+        state = TrainState(params, opt.init(params), outer.init(params), torch.tensor(0))
+        return outer, opt, state
+    state = TrainState(params, opt.init(params), sync.init(params), torch.tensor(0))
+    return sync, opt, state
+
+
+def train_step(sync: Any, opt: Any, config: dict[str, Any], rank: int, kill: Any):
+    """``fn(state) -> (state, loss)``: one step at the state's count, data of ``rank``."""
+
+    def step(state: TrainState) -> tuple[TrainState, float]:
+        x, y = batch(int(state.count), rank, config.get("width", WIDTH))
+        if config["mode"] == "diloco":
+            loss, grads = torch.func.grad_and_value(loss_fn)(state.params, x, y)[::-1]
+            params, opt_state = opt.update(state.params, grads, state.opt)
+            params, outer_state = sync.update(params, state.sync)
+            return TrainState(params, opt_state, outer_state, state.count + 1), float(loss)
+        (grads, loss), sync_state = sync.grad_and_value(loss_fn)(
+            state.sync, state.params, x, y, kill
+        )
+        params, opt_state = opt.update(state.params, grads, state.opt)
+        return TrainState(params, opt_state, sync_state, state.count + 1), float(loss)
+
+    return step
+
+
+def main(config: dict[str, Any]) -> None:
+    """One replica: steps until the job has committed ``config["steps"]``."""
+    import datetime
+
+    import fsync.ft
+
+    torch.set_num_threads(1)
+    out = pathlib.Path(config["dir"])
+    index = config["replica"]
+    log = open(out / f"log-{index}.jsonl", "a", buffering=1)  # noqa: SIM115
+    replica = fsync.ft.Replica.connect(
+        config["lighthouse"],
+        replica_id=f"replica_{index}",
+        timeout=datetime.timedelta(seconds=config["timeout_s"]),
+        quorum_timeout=datetime.timedelta(seconds=30),
+    )
+    sync, opt, state = setup(config, replica.group)
+    (out / f"ready-{index}-{os.getpid()}").touch()
+    while len(list(out.glob("ready-*"))) < config["replicas"] and not config.get("restarted"):
+        time.sleep(0.05)  # every replica's Manager up before the first quorum
+    kill_at = config.get("kill")
+    kill_step = None if kill_at is None or config.get("restarted") else kill_at["step"]
+
+    def die(grad: torch.Tensor) -> torch.Tensor:
+        if kill_at["when"] == "backward" and current["count"] == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+
+    current = {"count": -1}
+    fn = train_step(sync, opt, config, index, die if kill_step is not None else None)
+
+    def step(state: TrainState) -> tuple[TrainState, float]:
+        current["count"] = int(state.count)
+        return fn(state)
+
+    transaction = replica.step(step)
+    log.write(json.dumps({"event": "start", "pid": os.getpid()}) + "\n")
+    outcome = None
+    until = config.get("until")  # a file the test writes when the others may stop
+
+    def going_on() -> bool:
+        if outcome is None or outcome.step < config["steps"]:
+            return True
+        if until is None or pathlib.Path(until).exists():
+            return False
+        time.sleep(0.05)  # stepping on, slowly, until the test has seen what it waits for
+        return True
+
+    while going_on():
+        try:
+            state, outcome = transaction(state)
+        except ValueError as error:
+            log.write(json.dumps({"event": "refused", "error": str(error)}) + "\n")
+            replica.close()
+            os._exit(3)
+        log.write(
+            json.dumps(
+                {
+                    "event": "step",
+                    "committed": outcome.committed,
+                    "step": outcome.step,
+                    "count": int(state.count),
+                    "participants": outcome.participants,
+                    "healed": outcome.healed,
+                    "error": outcome.error,
+                }
+            )
+            + "\n"
+        )
+        if kill_step is not None and kill_at["when"] == "between" and outcome.step == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+    torch.save(state, out / f"final-{index}.pt")
+    log.write(json.dumps({"event": "done"}) + "\n")
+    replica.close()
+    os._exit(0)  # torchft's threads need not be joined
+
+
+def plain(config: dict[str, Any]) -> TrainState:
+    """The same training with plain fsync over the default group (rank = replica index)."""
+    import torch.distributed as dist
+
+    sync, opt, state = setup(config, None)
+    fn = train_step(sync, opt, config, dist.get_rank(), None)
+    for _ in range(config["steps"]):
+        state, _ = fn(state)
+    return state
+
+
+class Job:
+    """A lighthouse in this process and replica processes, each started as ``python -m``."""
+
+    def __init__(self, tmp: pathlib.Path, config: dict[str, Any]) -> None:
+        import fsync.ft
+
+        self.dir = tmp
+        # A quorum forms with ``min_replicas`` (a job that waits for a restarted replica has
+        # all of them), and waits up to join_timeout_ms for the other live ones.
+        minimum = config.get("min_replicas", 1)
+        self.lighthouse = fsync.ft.lighthouse(min_replicas=minimum, join_timeout_ms=1000)
+        self.config = {**config, "dir": str(tmp), "lighthouse": self.lighthouse.address()}
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(self, index: int, **overrides: Any) -> None:
+        config = {**self.config, "replica": index, **overrides}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        env["RUST_LOG"] = "error"
+        with open(self.dir / f"stderr-{index}.txt", "ab") as err:  # the child keeps its copy
+            self.procs[index] = subprocess.Popen(
+                [sys.executable, "-m", "tests._replicas", json.dumps(config)],
+                cwd=ROOT,
+                env=env,
+                stdout=err,
+                stderr=err,
+            )
+
+    def wait(self, index: int, timeout: float) -> int:
+        try:
+            return self.procs[index].wait(timeout=timeout)
+        except subprocess.TimeoutExpired as late:
+            self.close()
+            raise AssertionError(
+                f"replica {index} ran over {timeout} s:\n{self.stderr(index)}"
+            ) from late
+
+    def stderr(self, index: int) -> str:
+        return (self.dir / f"stderr-{index}.txt").read_text()[-3000:]
+
+    def log(self, index: int) -> list[dict[str, Any]]:
+        lines = (self.dir / f"log-{index}.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    def final(self, index: int) -> TrainState:
+        state: TrainState = torch.load(self.dir / f"final-{index}.pt", weights_only=False)
+        return state
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self.lighthouse.shutdown()
+
+
+if __name__ == "__main__":  # run as tests._replicas, so that its states unpickle anywhere
+    from tests._replicas import main as replica_main
+
+    replica_main(json.loads(sys.argv[1]))

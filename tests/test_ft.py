@@ -1,0 +1,342 @@
+"""fsync.ft on torchft: each step a transaction; replicas die, restart and heal.
+
+The process tests start real replica processes (``tests/_replicas.py``) with a
+lighthouse in this process and short torchft timeouts, kill one with SIGKILL at
+a step drawn at random (printed, so a failure can be replayed with ``FT_SEED``),
+and check what the replicas left: their final states and a log of every step.
+The unit tests drive the transaction with a stand-in Manager.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "torchft", reason="fsync.ft needs torchft: pip install -e '.[test]' (or '.[ft]')"
+)
+
+import fsync
+import fsync.ft
+from fsync import _comm
+from fsync.ft import _heal, _torchft
+from tests import _replicas
+from tests.conftest import get_world
+
+TIMEOUT_S = 5  # torchft's timeout in the replicas: a hung peer costs the survivors this
+STEPS = 8
+SEED = int(os.environ.get("FT_SEED", random.randrange(1 << 16)))
+
+
+def _config():
+    return {"replicas": 2, "steps": STEPS, "hook": "mean", "mode": "grad", "timeout_s": TIMEOUT_S}
+
+
+def _leaves(state):
+    return [x for x in fsync._tree.flatten(state)[0] if isinstance(x, torch.Tensor)]
+
+
+def _identical(a, b):
+    la, lb = _leaves(a), _leaves(b)
+    assert len(la) == len(lb)
+    return all(x.is_meta or torch.equal(x, y) for x, y in zip(la, lb, strict=True))
+
+
+def _without_error(state):
+    hook = state.sync.hook
+    return state._replace(sync=state.sync._replace(hook=hook._replace(error=())))
+
+
+def _commits(log):
+    """The committed steps of one replica's log (over its restarts), checked for order."""
+    steps = [e for e in log if e["event"] == "step"]
+    committed = [e for e in steps if e["committed"]]
+    for e in committed:
+        # The update count in the state is the job's committed count: no step applied
+        # twice (count would run ahead) or lost (behind), across discards and heals.
+        assert e["count"] == e["step"], e
+    numbers = [e["step"] for e in committed]
+    assert numbers == sorted(set(numbers)), f"a step committed twice: {numbers}"
+    return committed
+
+
+def _run(tmp_path, config, *, victim=None, when="backward", restart=True, **restart_with):
+    job = _replicas.Job(tmp_path, config)
+    step = random.Random(SEED).randrange(2, config["steps"] - 2)
+    print(f"FT_SEED={SEED}: replica {victim} killed ({when}) at step {step}")
+    try:
+        for k in range(config["replicas"]):
+            kill = {"step": step, "when": when} if k == victim else None
+            job.start(k, kill=kill)
+        codes = {}
+        if victim is not None:
+            codes[victim] = job.wait(victim, 120)
+            assert codes[victim] == -signal.SIGKILL, job.stderr(victim)
+            if restart:
+                job.start(victim, restarted=True, **restart_with)
+                codes[victim] = job.wait(victim, 120)
+        for k in range(config["replicas"]):
+            if k != victim:
+                codes[k] = job.wait(k, 120)
+        return job, codes, step
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(200)
+def test_without_failures_the_replicas_compute_what_plain_fsync_does(tmp_path):
+    config = {**_config(), "min_replicas": 2}  # both in every quorum, from the first
+    job, codes, _ = _run(tmp_path, config)
+    assert codes == {0: 0, 1: 0}, job.stderr(0) + job.stderr(1)
+    states = [job.final(k) for k in range(2)]
+    assert _identical(states[0], states[1])
+    for k in range(2):
+        assert len(_commits(job.log(k))) == STEPS
+    plain = get_world(2).run(_replicas.plain, config)
+    # Bit for bit: both reduce the same buffers with gloo's sum over 2 ranks, each
+    # gradient multiplied by 1/2 (exact) while packed; only the transport differs.
+    assert _identical(states[0], plain[0])
+
+
+@pytest.mark.timeout(240)
+def test_a_replica_killed_in_backward_restarts_and_heals_powersgd_state(tmp_path):
+    # The lighthouse waits for all 3 (the survivors wait for the restart, at the quorum):
+    # with fewer, they could finish before the restarted replica is back to heal from them.
+    config = {**_config(), "replicas": 3, "hook": "powersgd", "min_replicas": 3}
+    job, codes, step = _run(tmp_path, config, victim=1, when="backward")
+    assert codes == {0: 0, 1: 0, 2: 0}, [job.stderr(k) for k in range(3)]
+    states = [job.final(k) for k in range(3)]
+    # PowerSGD's error feedback is each replica's own residual (what compression has not
+    # yet delivered of its gradients), so it differs by design; the restarted replica took
+    # its source peer's. Everything else is the same everywhere: params, momentum, Q, counts.
+    own = [s.sync.hook.error for s in states]
+    for other in states[1:]:
+        assert _identical(_without_error(states[0]), _without_error(other))
+    assert all(e.isfinite().all() for errors in own for e in errors)
+    assert all(a.shape == b.shape for a, b in zip(own[0], own[1], strict=True))
+    assert int(states[0].count) == STEPS
+    for k in (0, 2):  # the survivors discarded the step the victim died in, and went on
+        log = job.log(k)
+        _commits(log)
+        failed = [e for e in log if e["event"] == "step" and not e["committed"]]
+        assert failed and all(e["error"] for e in failed), log
+        assert failed[0]["step"] == step, (failed, step)
+    restarted = job.log(1)
+    second = [i for i, e in enumerate(restarted) if e["event"] == "start"][1]
+    assert restarted[second + 1]["healed"], restarted
+    _commits(restarted)
+
+
+@pytest.mark.timeout(240)
+def test_a_replica_killed_between_steps_restarts_and_heals_diloco_state(tmp_path):
+    config = {**_config(), "mode": "diloco", "min_replicas": 2}
+    job, codes, _ = _run(tmp_path, config, victim=1, when="between")
+    assert codes == {0: 0, 1: 0}, job.stderr(0) + job.stderr(1)
+    states = [job.final(k) for k in range(2)]
+    # DiLoCo's inner optimizer is each replica's own (its momentum follows its own batches);
+    # the rest is the same: the parameters (step 8 is a sync), the anchor, the outer
+    # momentum, the counts.
+    assert _identical(states[0]._replace(opt=None), states[1]._replace(opt=None))
+    assert not _identical(states[0].opt, states[1].opt)  # so the comparison above is needed
+    assert int(states[0].count) == STEPS
+    for k in range(2):
+        _commits(job.log(k))
+
+
+@pytest.mark.timeout(200)
+def test_the_others_go_on_without_a_replica_that_stays_dead(tmp_path):
+    job, codes, step = _run(tmp_path, _config(), victim=1, when="backward", restart=False)
+    assert codes == {0: 0, 1: -signal.SIGKILL}, job.stderr(0)
+    log = _commits(job.log(0))
+    assert len(log) == STEPS
+    assert {e["participants"] for e in log if e["step"] > step} == {1}  # the mean of one
+    assert int(job.final(0).count) == STEPS
+
+
+@pytest.mark.timeout(200)
+def test_a_replica_rejoining_with_another_tree_is_refused_alone(tmp_path):
+    until = tmp_path / "refused"  # replica 0 steps on until replica 1 has been refused
+    job = _replicas.Job(tmp_path, {**_config(), "until": str(until)})
+    try:
+        job.start(0)
+        job.start(1, kill={"step": 2, "when": "between"})
+        assert job.wait(1, 120) == -signal.SIGKILL, job.stderr(1)
+        job.start(1, restarted=True, width=8)
+        assert job.wait(1, 120) == 3, job.stderr(1)
+        until.touch()
+        assert job.wait(0, 120) == 0, job.stderr(0)
+    finally:
+        job.close()
+    refused = [e for e in job.log(1) if e["event"] == "refused"]
+    assert len(refused) == 1, refused
+    error = refused[0]["error"]
+    assert "the state received from a peer replica differs at leaf" in error, error
+    assert "this replica has a torch.float32 tensor of shape (8, 8) but the job has" in error
+    commits = _commits(job.log(0))  # the other replica, unharmed: it went on alone
+    assert len(commits) >= STEPS and commits[-1]["participants"] == 1
+    assert int(job.final(0).count) == commits[-1]["step"]
+
+
+# --- the transaction with a stand-in Manager ------------------------------------------------------
+
+
+class _Manager:
+    """The parts of torchft's Manager the transaction uses, for one replica alone."""
+
+    _use_async_quorum = False
+
+    def __init__(self, *, fail_commit=False):
+        self.errors, self.step, self.fail_commit, self.fns = [], 0, fail_commit, {}
+
+    def register_state_dict_fn(self, key, load, save):
+        self.fns[key] = (load, save)
+
+    def start_quorum(self):
+        self.errors.clear()
+
+    def report_error(self, error):
+        self.errors.append(error)
+
+    def errored(self):
+        return self.errors[0] if self.errors else None
+
+    def should_commit(self):
+        ok = not self.errors and not self.fail_commit
+        self.step += ok
+        return ok
+
+    def current_step(self):
+        return self.step
+
+    def num_participants(self):
+        return 1
+
+    def participating_rank(self):
+        return 0
+
+
+def _step(state, fail):
+    new = {"w": state["w"] + 1}
+    if fail:
+        raise _comm.CollectiveError("a peer died", stage="bucket 1 of 2")
+    return new, "loss"
+
+
+def test_a_failed_collective_discards_the_step_and_is_reported():
+    manager = _Manager()
+    replica = fsync.ft.Replica(manager)
+    state = {"w": torch.zeros(2)}
+    step = replica.step(_step)
+    new, outcome = step(state, False)
+    assert outcome.committed and outcome.step == 1 and outcome.value == "loss"
+    kept, outcome = step(new, True)
+    assert kept is new and not outcome.committed and outcome.value is None
+    assert outcome.error == "a peer died" and isinstance(manager.errors[0], _comm.CollectiveError)
+    assert torch.equal(new["w"], torch.ones(2)) and torch.equal(state["w"], torch.zeros(2))
+
+
+def test_a_step_the_replica_group_does_not_commit_keeps_the_old_state():
+    replica = fsync.ft.Replica(_Manager(fail_commit=True))
+    state = {"w": torch.zeros(2)}
+    kept, outcome = replica.step(_step)(state, False)
+    assert kept is state and not outcome.committed and outcome.error is None
+
+
+def test_the_step_must_return_a_pair():
+    replica = fsync.ft.Replica(_Manager())
+    with pytest.raises(TypeError, match=r"expected a pair \(new_state, value\)"):
+        replica.step(lambda state: state)({"w": torch.zeros(1)})
+
+
+def test_an_async_quorum_manager_is_refused():
+    manager = _Manager()
+    manager._use_async_quorum = True
+    with pytest.raises(ValueError, match="use_async_quorum=False"):
+        fsync.ft.Replica(manager)
+
+
+def test_the_state_served_is_the_last_committed_and_a_heal_replaces_the_next_one():
+    manager = _Manager()
+    replica = fsync.ft.Replica(manager)
+    load, save = manager.fns["fsync"]
+    state = {"w": torch.zeros(2)}
+    step = replica.step(_step)
+    new, _ = step(state, False)
+    assert save()["state"] is new
+    step(new, True)  # discarded: still the committed one
+    assert save()["state"] is new
+    load(_heal.payload({"w": torch.full((2,), 7.0)}))
+    healed, outcome = step(new, False)
+    assert outcome.healed and torch.equal(healed["w"], torch.full((2,), 8.0))
+
+
+# --- the heal's check -----------------------------------------------------------------------------
+
+
+def test_a_healed_state_must_fit_this_replicas_tree():
+    mine = {"w": torch.zeros(2, 3), "b": torch.zeros(3)}
+    with pytest.raises(ValueError, match="has another structure"):
+        _heal.received(mine, _heal.payload({"w": torch.zeros(2, 3)}))
+    with pytest.raises(ValueError, match=r"differs at leaf \('w',\): this replica has a torch"):
+        _heal.received(mine, _heal.payload({"w": torch.zeros(3, 3), "b": torch.zeros(3)}))
+    with pytest.raises(ValueError, match=r"not an fsync\.ft state"):
+        _heal.received(mine, {"w": 1})
+    sent = {"w": torch.ones(2, 3), "b": torch.ones(3)}
+    got = _heal.received(mine, _heal.payload(sent))
+    assert torch.equal(got["w"], sent["w"]) and torch.equal(mine["w"], torch.zeros(2, 3))
+
+
+def test_a_healed_sync_state_must_be_made_for_the_same_plan():
+    group = fsync.ft.ManagerGroup(_Manager())  # between steps: this replica alone
+    params = {"w": torch.zeros(64, 64), "b": torch.zeros(64)}
+    mine = fsync.GradSync(group=group).init(params)
+    theirs = fsync.GradSync(group=group, reduce_dtype=torch.bfloat16).init(params)
+    assert not torch.equal(mine.fingerprint, theirs.fingerprint)  # ...which the heal reads
+    with pytest.raises(ValueError, match="made for another bucket plan"):
+        _heal.received(mine, _heal.payload(theirs))
+
+
+# --- the group ------------------------------------------------------------------------------------
+
+
+class _TwoReplicas(_Manager):
+    def num_participants(self):
+        return 2
+
+
+def test_the_replica_group_refuses_torch_compile():
+    group = fsync.ft.ManagerGroup(_TwoReplicas())
+    group.live = True  # inside a step, with a peer: collectives to issue
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def step(g):
+        return fsync.sync_grads(g, group=group)
+
+    with pytest.raises(Exception, match="runs eagerly only"):
+        step({"w": torch.ones(2)})
+
+
+def test_between_steps_the_replica_group_is_this_replica_alone():
+    group = fsync.ft.ManagerGroup(_Manager())
+    grads = {"w": torch.ones(2)}
+    assert _comm.size(group) == 1 and _comm.rank(group) == 0
+    assert fsync.sync_grads(grads, group=group)["w"] is not None
+
+
+def test_without_torchft_the_error_names_the_extra(monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+
+    def missing(name, *args):
+        if name.startswith("torchft"):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", missing)
+    with pytest.raises(ImportError, match=r"pip install 'fsync\[ft\]'"):
+        _torchft.lighthouse()
