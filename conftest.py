@@ -25,7 +25,7 @@ def single_rank() -> Iterator[None]:
         try:
             yield
         finally:
-            gc.collect()  # no DDP may outlive the group (``benchmarks.cases.leave_group``)
+            gc.collect()  # no DDP may outlive the group (``benchmarks.harness.leave_group``)
             dist.destroy_process_group()
 
 

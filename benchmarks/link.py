@@ -1,76 +1,54 @@
-"""Step time on a link slower than compute: ``python benchmarks/run.py --only link``.
+"""Step time on a link slower than compute: ``python -m benchmarks.link`` (as root).
 
-Between machines, collectives wait on the network rather than on the CPU, and a
-step can hide them behind backward. Two ranks on one machine talk over the
-loopback, which is as fast as memory, so this section runs each measurement
-under ``slownet`` (``../shared/tools/slownet``, or ``--slownet PATH``; it needs
-root): a private network namespace whose loopback is shaped to a rate. For each
-rate (unshaped, then 16, 8 and 4 Gbit/s) this module re-runs itself in a fresh
-namespace (``python -m benchmarks.link --child RATE``), which spawns the ranks,
-measures, and hands back JSON; the parent writes ``docs/benchmarks-link.md`` and
-one figure per question (:mod:`benchmarks.link_report`).
+Between machines, collectives wait on the network rather than on the CPU, and a step can
+hide them behind backward; two ranks on one machine talk over a loopback as fast as
+memory. So each rate (unshaped, 16, 8 and 4 Gbit/s) runs in a child of this page
+(``--child RATE``) inside ``slownet`` (``../shared/tools/slownet``, as root: a network
+namespace whose loopback is shaped to the rate), where each row's settings take turns in
+worlds of their own (:mod:`benchmarks.harness`); the parent writes
+``docs/benchmarks-link.md`` and its figures. The rows are :func:`rows`'s, the method the
+page's :data:`READING`. By hand, one rate::
 
-By hand, one rate: ``slownet --rate 8gbit -- python -m benchmarks.link --child 8gbit``.
+    ../shared/tools/slownet --rate 8gbit -- python -m benchmarks.link --child 8gbit \\
+        --json 8gbit.json
 
-The workloads, all with 4 MiB buckets (fsync and DDP alike):
-
-- the benchmark MLP (8.4M parameters, 33.6 MB of gradients) at batch 256, where
-  compute is longer than the all-reduce at 8 Gbit/s, at every rate; at 8 Gbit/s
-  also at batch 64 (link-bound) and with the default 25 MiB buckets, the sync
-  alone, and the ZeRO step;
-- a deep MLP (8 equal 1024 x 1024 layers, 8.4M parameters) and the GPT (21M),
-  at batch 64 and 256 (the GPT's batch counts tokens: 1 or 4 sequences of 64),
-  unshaped and at 8 Gbit/s;
-- unshaped, the peak memory of the eager step (deep MLP and GPT at batch 256),
-  each setting in a fresh world.
-
-On 2 quiet cores the whole run takes about half an hour, most of it compiling:
-each row compiles four steps (the module, DDP, the functional floor and fsync's),
-once per process; the rates share one inductor cache.
+On 2 quiet cores the whole run takes about an hour, most of it compiling: each row compiles
+five steps, once per process; all processes share one inductor cache.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import gc
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
+
+if not __package__:  # run as a script: the repository first, not benchmarks/
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import fsync  # noqa: E402
-from benchmarks import cases, models  # noqa: E402
+import fsync
+from benchmarks import harness, plot, steps, table, zero
+from benchmarks.constants import CAP_MB, DOCS, LR, TOOLS, label
+from benchmarks.harness import Row, Setting, Spread
+from benchmarks.models import Load
+from benchmarks.steps import setting
 
 RATES = ("unshaped", "16gbit", "8gbit", "4gbit")
-SLOWNET = ROOT.parent / "shared" / "tools" / "slownet"
-CAP_MB = 4.0
-# The MLP runs at batch 256 at every rate; these beside it, at these batches and rates.
-WORKLOADS = ("deep MLP", "GPT")
-BATCHES = (64, 256)
-WORKLOAD_RATES = ("unshaped", "8gbit")
-GPT_BLOCK = 64  # tokens per GPT sequence: its batch of 256 tokens is 4 sequences
-# --smoke: each workload once at tiny sizes; the main page's smoke run measures the same.
-SMOKE_RUNS = (("MLP", 256), ("deep MLP", 256), ("GPT", 256))
+WORKLOADS, BATCHES, WORKLOAD_RATES = ("deep MLP", "GPT"), (64, 256), ("unshaped", "8gbit")
+DDP_EAGER = "DDP eager"
 GAV = "fsync eager, grad_and_value"
 FUNC = "fsync eager, torch.func + sync_grads"
-# What each setting's own compute is: the share of the all-reduce a step hides is
+# Each setting and its own compute: the share of the all-reduce a step hides is
 # (own compute + flat all-reduce - step) / flat all-reduce.
 SETTINGS = {
-    "DDP eager": "compute, module eager",
+    DDP_EAGER: "compute, module eager",
     "DDP compiled": "compute, module compiled",
     GAV: "compute, functional eager",
     FUNC: "compute, functional eager",
@@ -79,358 +57,445 @@ SETTINGS = {
 FLOORS = tuple(dict.fromkeys(SETTINGS.values()))
 FLAT = "flat all-reduce of the gradients"
 CEILING = "flat all-reduce issued before the compiled compute (ceiling)"
-# The memory worlds: the eager step of each setting, alone in its processes.
-MEMORY_SETTINGS = ("compute, module eager", "DDP eager", GAV, FUNC)
+SYNC_ALONE = (steps.FLAT, "sync_grads eager", "sync_grads compiled")
+MEMORY_SETTINGS = ("compute, module eager", DDP_EAGER, GAV, FUNC)
 MEMORY_BATCH = 256
-# glibc's malloc gives every block of 64 KiB or more back to the system when it is freed,
-# so that RSS follows the tensors alive. By default it keeps freed blocks to reuse, and the
-# deep MLP's peak under DDP varied by 3 buckets from one world to the next; fixed, by 2 MiB.
-ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", metavar="RATE", help="measure at one rate (run inside slownet)")
     parser.add_argument("--rates", default=",".join(RATES), help=f"comma-separated, of {RATES}")
-    parser.add_argument("--slownet", type=pathlib.Path, default=SLOWNET)
+    parser.add_argument("--slownet", type=pathlib.Path, default=TOOLS / "slownet")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, unshaped only")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=10, help="turns per setting")
+    parser.add_argument("--steps", type=int, default=2, help="steps per turn")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs")
+    parser.add_argument("--out", type=pathlib.Path, default=DOCS)
     parser.add_argument("--json", type=pathlib.Path, help="child: where to write its results")
     return parser.parse_args(argv)
 
 
-def _timing(args: argparse.Namespace) -> dict[str, int]:
-    return {"warmup": args.warmup, "steps": args.steps}
+class Rows(NamedTuple):
+    """What one rate measures: step rows (workload, bucket MiB), the sync alone's workload,
+    ZeRO's rows and the memory's workloads (the last three may be empty)."""
+
+    steps: list[tuple[Load, float]]
+    sync: list[Load]
+    zero: list[Load]
+    memory: list[Load]
 
 
-def workload(name: str, batch: int, smoke: bool) -> models.Workload:
-    """The workload ``name`` at ``batch`` samples per rank (the GPT: tokens, in sequences of 64)."""
-    scale = 1 / 16 if smoke else 1.0
-    if name == "MLP":
-        return models.mlp(batch=batch, scale=scale)
-    if name == "deep MLP":  # smoke: 3 layers, every code path; more only lengthen compiling
-        return models.deep_mlp(batch=batch, scale=scale, **({"depth": 3} if smoke else {}))
-    sequences = max(1, batch // GPT_BLOCK)
+def rows(rate: str, smoke: bool) -> Rows:
+    """The rows of ``rate``, all with 4 MiB buckets (fsync and DDP alike) unless they say so.
+
+    The benchmark MLP (8.4M parameters, 33.6 MB of gradients) at batch 256, where compute
+    is longer than the all-reduce at 8 Gbit/s, at every rate; at 8 Gbit/s also at batch 64
+    (link-bound), with the default 25 MiB buckets, and the sync alone. The deep MLP and the
+    GPT at batch 64 and 256 (the GPT's batch counts tokens: 1 or 4 sequences of 64),
+    unshaped and at 8 Gbit/s, and the same rows for ZeRO (:mod:`benchmarks.zero`).
+    Unshaped, the peak memory of the eager steps at batch 256. A smoke run: the MLP and
+    the sync alone; ZeRO and memory on the deep MLP; at tiny sizes, unshaped.
+    """
     if smoke:
-        return models.gpt(n_layer=1, scale=1 / 8, vocab_size=256, batch=sequences)
-    return models.gpt(block_size=GPT_BLOCK, batch=sequences)
-
-
-def row_key(name: str, batch: int, cap: float = CAP_MB) -> str:
-    """A row's name in the results: workload, batch, and the buckets where not 4 MiB."""
-    return f"{name}, batch {batch}" + ("" if cap == CAP_MB else f", {cap:g} MiB buckets")
-
-
-def _module_step(
-    work: models.Workload, model: torch.nn.Module, forward: Callable[..., Any], batch: Any
-) -> Callable[[], None]:
-    """An autograd step on ``model`` (through ``forward``) with ``torch.optim.SGD``."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=cases.LR)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        work.criterion(forward(batch[0]), batch[1]).backward()
-        optimizer.step()
-
-    return step
-
-
-def _functional_step(work: models.Workload, batch: Any, sync: str | None, cap: float) -> Any:
-    """A ``torch.func`` step with ``fsync.optim.sgd``; ``sync`` is ``None`` (the floor),
-    ``"sync_grads"`` (after ``torch.func.grad_and_value``) or ``"grad_and_value"`` (fsync's)."""
-    optimizer = fsync.optim.sgd(cases.LR)
-    synced = fsync.grad_and_value(work.functional_loss, bucket_cap_mb=cap)
-
-    def step(params: dict[str, torch.Tensor], state: Any) -> Any:
-        if sync == "grad_and_value":
-            grads, _ = synced(params, batch)
-        else:
-            grads, _ = torch.func.grad_and_value(work.functional_loss)(params, batch)
-            if sync == "sync_grads":
-                grads = fsync.sync_grads(grads, bucket_cap_mb=cap)
-        return optimizer.update(params, grads, state)
-
-    return step
-
-
-def _held(work: models.Workload, fn: Callable[..., Any]) -> Callable[[], None]:
-    """``fn`` as a call that threads its parameters and optimizer state from step to step."""
-    params = work.params()
-    state = {"p": params, "o": fsync.optim.sgd(cases.LR).init(params)}
-
-    def call() -> None:
-        state["p"], state["o"] = fn(state["p"], state["o"])
-
-    return call
-
-
-def _step_times(
-    work: models.Workload,
-    cap: float,
-    timing: dict[str, int],
-    floors: dict[str, float] | None = None,
-) -> dict[str, float]:
-    """The five settings for one workload and bucket size, beside their floors, the flat
-    all-reduce and the ceiling.
-
-    ``floors``, the row of the same workload and batch at other buckets, gives those
-    figures, which do not depend on the buckets: they are not measured (nor compiled)
-    again.
-    """
-    torch._dynamo.reset()
-    batch = work.batch(dist.get_rank())
-    measure = floors is None
-    calls: dict[str, Callable[[], None]] = {}  # timed in turn, round after round
-
-    def module(name: str, model: torch.nn.Module, compiled: bool) -> None:
-        forward = torch.compile(model) if compiled else model
-        calls[name] = _module_step(work, model, forward, batch)
-
-    def functional(name: str, sync: str | None, compiled: bool) -> Callable[[], None]:
-        step = _functional_step(work, batch, sync, cap)
-        calls[name] = _held(work, fsync.compile(step) if compiled else step)
-        return calls[name]
-
-    if measure:
-        module("compute, module eager", copy.deepcopy(work.model), compiled=False)
-        module("compute, module compiled", copy.deepcopy(work.model), compiled=True)
-    module("DDP eager", DDP(copy.deepcopy(work.model), bucket_cap_mb=cap), compiled=False)
-    module("DDP compiled", DDP(copy.deepcopy(work.model), bucket_cap_mb=cap), compiled=True)
-    if measure:
-        functional("compute, functional eager", None, compiled=False)
-        compute = functional("compute, functional compiled", None, compiled=True)
-    functional(GAV, "grad_and_value", compiled=False)
-    functional(FUNC, "sync_grads", compiled=False)
-    functional("fsync compiled", "grad_and_value", compiled=True)
-    if measure:
-        flat = torch.cat([p.reshape(-1) for p in work.params().values()])
-        calls[FLAT] = lambda: dist.all_reduce(flat)
-
-        def ceiling() -> None:  # the all-reduce in flight during the whole compiled step
-            work_ = dist.all_reduce(flat, async_op=True)
-            compute()
-            work_.wait()
-
-        calls[CEILING] = ceiling
-    out = cases.interleaved_ms(calls, **timing)
-    if floors is not None:
-        out.update({k: floors[k] for k in [*FLOORS, FLAT, CEILING]})
-    return {name: out[name] for name in [*SETTINGS, *FLOORS, FLAT, CEILING]}
-
-
-def _sync_alone(work: models.Workload, timing: dict[str, int]) -> dict[str, float]:
-    grads = torch.func.grad(work.functional_loss)(work.params(), work.batch(dist.get_rank()))
-    flat = torch.cat([g.reshape(-1) for g in grads.values()])
-    compiled = fsync.compile(lambda g: fsync.sync_grads(g, bucket_cap_mb=CAP_MB))
-    return {
-        FLAT: cases.median_ms(lambda: dist.all_reduce(flat), **timing),
-        "sync_grads eager": cases.median_ms(
-            lambda: fsync.sync_grads(grads, bucket_cap_mb=CAP_MB), **timing
-        ),
-        "sync_grads compiled": cases.median_ms(lambda: compiled(grads), **timing),
-    }
-
-
-def _runs(rate: str, smoke: bool) -> list[tuple[str, int]]:
-    """The (workload, batch) rows measured at ``rate`` with 4 MiB buckets."""
-    if smoke:  # each workload once, which is every code path, in the time CI has
-        return list(SMOKE_RUNS)
-    runs = [("MLP", 256)]
+        mlp, deep = Load("MLP", 256, smoke=True), Load("deep MLP", 256, smoke=True)
+        return Rows([(mlp, CAP_MB)], [mlp], [deep], [deep])
+    work = [(Load("MLP", 256), CAP_MB)]
     if rate == "8gbit":
-        runs.append(("MLP", 64))
+        work += [(Load("MLP", 64), CAP_MB), (Load("MLP", 256), 25.0)]
     if rate in WORKLOAD_RATES:
-        runs += [(name, batch) for name in WORKLOADS for batch in BATCHES]
-    return runs
+        work += [(Load(name, batch), CAP_MB) for name in WORKLOADS for batch in BATCHES]
+    memory = [Load(name, MEMORY_BATCH) for name in WORKLOADS] if rate == "unshaped" else []
+    sync = [Load("MLP", 256)] if rate == "8gbit" else []
+    return Rows(work, sync, zero.loads(rate, smoke), memory)
 
 
-def _worker(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    timing = _timing(args)
-    results: dict[str, Any] = {}
-    for name, batch in _runs(args.child, args.smoke):
-        started = time.perf_counter()
-        work = workload(name, batch, args.smoke)
-        results[row_key(name, batch)] = _step_times(work, CAP_MB, timing)
-        if rank == 0:  # progress: the full run takes about half an hour
-            seconds = time.perf_counter() - started
-            print(f"link {args.child}: {row_key(name, batch)} ({seconds:.0f} s)", flush=True)
-    if args.child == "8gbit" or args.smoke:
-        mlp = workload("MLP", 256, args.smoke)
-        results[row_key("MLP", 256, 25.0)] = _step_times(
-            mlp, 25.0, timing, floors=results[row_key("MLP", 256)]
-        )
-        results["sync alone"] = _sync_alone(mlp, timing)
-        zero = cases.case_zero(workload("MLP", 64, args.smoke), **timing)
-        results["zero"] = {name: row["ms"] for name, row in zero.items()}
-    if rank == 0:
-        pathlib.Path(out).write_text(json.dumps(results))
-    cases.leave_group()
+def row_key(load: Load, cap: float = CAP_MB) -> str:
+    """A row's name: workload, batch, and the buckets where not 4 MiB."""
+    return str(load) + ("" if cap == CAP_MB else f", {cap:g} MiB buckets")
 
 
-def child(args: argparse.Namespace) -> None:
-    """Measure at one rate (the namespace's loopback is already shaped); unshaped, the memory."""
-    with tempfile.TemporaryDirectory(prefix="fsync-link-") as tmp:
-        out = os.path.join(tmp, "results.json")
-        init = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(args, init, out), nprocs=2, join=True)
-        results = json.loads(pathlib.Path(out).read_text())
-    if args.child == "unshaped":
-        results["memory"] = memory(args)
-    assert args.json is not None
-    args.json.write_text(json.dumps(results))
+# --- what each row times, built in the settings' processes ---------------------------------
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Every rate, each in a fresh process (under slownet unless unshaped)."""
-    rates = ["unshaped"] if args.smoke else [r for r in args.rates.split(",") if r]
-    results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="fsync-link-") as tmp:
-        env = {**os.environ, **cases.inductor_cache(tmp, args.smoke)}
-        for rate in rates:
-            path = pathlib.Path(tmp) / f"{rate}.json"
-            command = [sys.executable, "-m", "benchmarks.link", "--child", rate, "--json", path]
-            command += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-            command += ["--smoke"] if args.smoke else []
-            if rate != "unshaped":
-                command = [str(args.slownet), "--rate", rate, "--", *map(str, command)]
-            started = time.perf_counter()
-            done = subprocess.run(list(map(str, command)), cwd=ROOT, env=env)
-            if done.returncode == 3:  # the page then shows what ran: the unshaped rows
-                print(
-                    f"slownet could not shape a loopback for {rate} (it needs root: unshare -n "
-                    "and tc); skipping the shaped rates. Run as root to measure them.",
-                    flush=True,
-                )
-                break
-            done.check_returncode()
-            results[rate] = json.loads(path.read_text())
-            seconds = time.perf_counter() - started
-            mlp = results[rate][row_key("MLP", 256)]
-            print(f"link {rate} ({seconds:.0f} s): MLP, batch 256: {mlp}", flush=True)
-    return results
+def row_settings(load: Load, cap: float) -> list[Setting]:
+    """The five steps, their floors, the flat all-reduce and the ceiling."""
+    module, functional = steps.module, steps.functional
+    return [
+        setting(DDP_EAGER, module, load=load, ddp=True, cap=cap),
+        setting("DDP compiled", module, load=load, ddp=True, compiled=True, cap=cap),
+        setting(GAV, functional, load=load, sync="grad_and_value", cap=cap),
+        setting(FUNC, functional, load=load, sync="sync_grads", cap=cap),
+        setting(
+            "fsync compiled", functional, load=load, sync="grad_and_value", compiled=True, cap=cap
+        ),
+        setting("compute, module eager", module, load=load, ddp=False),
+        setting("compute, module compiled", module, load=load, ddp=False, compiled=True),
+        setting("compute, functional eager", functional, load=load, sync=None),
+        setting("compute, functional compiled", functional, load=load, sync=None, compiled=True),
+        setting(FLAT, steps.sync_alone, load=load, how=steps.FLAT),
+        setting(CEILING, steps.ceiling, load=load),
+    ]
 
 
-# --- memory --------------------------------------------------------------------------------------
+def memory_step(load: Load, name: str) -> Callable[[], object]:
+    """One eager step of ``name`` on the model's own parameters, the only copy kept.
 
-
-def _status_mib(field: str) -> float:
-    """``field`` of ``/proc/self/status`` (``VmRSS``: resident now, ``VmHWM``: its peak) in MiB."""
-    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"/proc/self/status has no {field} line")
-
-
-def _reset_peak() -> bool:
-    """Sets this process's peak RSS (``VmHWM``) to its RSS now; ``False`` where Linux refuses."""
-    try:
-        pathlib.Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def _memory_step(work: models.Workload, setting: str) -> Callable[[], None]:
-    """One eager step of ``setting`` on ``work``'s own parameters, the only copy kept.
-
-    The module settings train the module with ``torch.optim.SGD``; the fsync ones
-    update the same tensors in place as ``torch.optim.SGD`` does on CPU
-    (``p.add_(g, alpha=-lr)``), so that the settings differ in their gradients and
-    sync alone (``fsync.optim.sgd``, being pure, would hold a second copy of the
-    parameters while it makes the new one).
+    The module settings train the module with ``torch.optim.SGD``; the fsync ones update
+    the same tensors in place as ``torch.optim.SGD`` does on CPU (``p.add_(g,
+    alpha=-lr)``), so that the settings differ in their gradients and sync alone
+    (``fsync.optim.sgd``, being pure, would hold a second copy of the parameters while it
+    makes the new one).
     """
+    if name in ("compute, module eager", DDP_EAGER):
+        return steps.module(load, ddp=name == DDP_EAGER, cap=CAP_MB).step
+    work = load.build()
     batch = work.batch(dist.get_rank())
-    if setting in ("compute, module eager", "DDP eager"):
-        model = DDP(work.model, bucket_cap_mb=CAP_MB) if setting == "DDP eager" else work.model
-        return _module_step(work, model, model, batch)
     params = {n: p.detach() for n, p in work.model.named_parameters()}
     synced = fsync.grad(work.functional_loss, bucket_cap_mb=CAP_MB)
 
-    def gradients() -> dict[str, torch.Tensor]:
-        if setting == GAV:
-            return synced(params, batch)
-        grads = torch.func.grad(work.functional_loss)(params, batch)
-        return fsync.sync_grads(grads, bucket_cap_mb=CAP_MB)
-
     def step() -> None:
-        grads = gradients()
+        if name == GAV:
+            grads = synced(params, batch)
+        else:
+            grads = torch.func.grad(work.functional_loss)(params, batch)
+            grads = fsync.sync_grads(grads, bucket_cap_mb=CAP_MB)
         with torch.no_grad():
-            for name, grad in grads.items():
-                params[name].add_(grad, alpha=-cases.LR)
+            for key, grad in grads.items():
+                params[key].add_(grad, alpha=-LR)
 
     return step
 
 
-def _memory_worker(
-    rank: int, name: str, setting: str, args: argparse.Namespace, init: str, out: str
-) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    work = workload(name, MEMORY_BATCH, args.smoke)
-    gc.collect()
-    built = _status_mib("VmRSS")
-    step = _memory_step(work, setting)
-    step()  # warm-up: DDP's bucket rebuild, fsync's plan, the allocator's first growth
-    warm = _status_mib("VmRSS")
-    reset = _reset_peak()
-    for _ in range(args.steps):
-        step()
-    peak = _status_mib("VmHWM")
-    if rank == 0:
-        row = {"built": built, "warm": warm, "peak": peak, "since start": float(not reset)}
-        pathlib.Path(out).write_text(json.dumps(row))
-    del step  # the DDP setting's module: freed before its group (``cases.leave_group``)
-    cases.leave_group()
+# --- one rate, in its namespace --------------------------------------------------------------
 
 
-def memory(args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
-    """Peak RSS of the eager step, per workload at batch 256 and setting, on rank 0.
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """Every row of one rate (the namespace's loopback is already shaped)."""
+    timing = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
+    memory = {"rounds": 1, "steps": args.steps, "warmup": 1, "follow_rss": True}
 
-    Each setting runs in a fresh 2-rank world of its own, so that the process's
-    peak belongs to it alone: RSS once the model is built (``built``), after one
-    warm-up step (``warm``), and the peak over ``args.steps`` more (``peak``:
-    ``VmHWM``, reset after the warm-up through ``/proc/self/clear_refs``; where
-    Linux refuses the reset, ``since start`` is 1 and the peak is the process's).
-    The worlds run with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed (``ALLOCATOR``).
-    """
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    saved = {name: os.environ.get(name) for name in ALLOCATOR}
-    os.environ.update(ALLOCATOR)  # read by each spawned interpreter as it starts
-    try:
-        with tempfile.TemporaryDirectory(prefix="fsync-memory-") as tmp:
-            for name in WORKLOADS[:1] if args.smoke else WORKLOADS:  # smoke: 4 worlds, not 8
-                for k, setting in enumerate(MEMORY_SETTINGS):
-                    init, path = (os.path.join(tmp, f"{name}-{k}.{x}") for x in ("init", "json"))
-                    spawned = (name, setting, args, init, path)
-                    mp.spawn(_memory_worker, args=spawned, nprocs=2, join=True)
-                    row = json.loads(pathlib.Path(path).read_text())
-                    out.setdefault(name, {})[setting] = row
-                    print(f"memory: {name}, {setting}: peak {row['peak']:.0f} MiB", flush=True)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    def turns(settings: list[Setting], how: dict[str, Any]) -> Row | None:
+        return harness.turns(settings, **how)
+
+    out: dict[str, Any] = {}
+    todo = rows(args.child, args.smoke)
+    for load, cap in todo.steps:
+        started = time.perf_counter()
+        out[row_key(load, cap)] = turns(row_settings(load, cap), timing)
+        print(f"link {args.child}: {row_key(load, cap)} ({time.perf_counter() - started:.0f} s)")
+    for load in todo.sync:
+        sync = [setting(n, steps.sync_alone, load=load, how=n, cap=CAP_MB) for n in SYNC_ALONE]
+        out["sync alone"] = turns(sync, timing)
+    out["zero"] = {str(load): turns(zero.settings(load), timing) for load in todo.zero}
+    # Memory: one turn of each eager step, in processes whose RSS follows the tensors alive.
+    eager = [lambda load: [setting(n, memory_step, load=load, name=n) for n in MEMORY_SETTINGS]]
+    for key, make in zip(("memory", "zero memory"), [*eager, zero.memory_settings], strict=True):
+        out[key] = {load.name: turns(make(load), memory) for load in todo.memory}
     return out
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every rate, each in a child of its own (under slownet unless unshaped)."""
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="fsync-link-") as tmp:
+        for rate in ["unshaped"] if args.smoke else [r for r in args.rates.split(",") if r]:
+            command = [sys.executable, "-m", "benchmarks.link", "--child", rate]
+            command += [f"--rounds={args.rounds}", f"--steps={args.steps}"]
+            command += [f"--warmup={args.warmup}", *(["--smoke"] if args.smoke else [])]
+            tool = None if rate == "unshaped" else args.slownet
+            found = harness.at_rate(command, rate, tool, harness.inductor_cache(tmp, args.smoke))
+            if found is None:  # not root: the page shows what ran
+                break
+            results[rate] = found
+    return results
+
+
+# --- the page --------------------------------------------------------------------------------
+
+
+def hidden(row: Row, name: str) -> Spread:
+    """The share of the flat all-reduce ``name`` hides behind its own compute, per round."""
+    return harness.per_round(row, lambda m: (m[SETTINGS[name]] + m[FLAT] - m[name]) / m[FLAT])
+
+
+def targets(results: dict[str, Any]) -> list[table.Target]:
+    """(target, measured, met); met: the median over the rounds; ``not run`` where the rate or
+    row was not run."""
+
+    def at(rate: str, key: str) -> Row | None:
+        row: Row | None = results.get(rate, {}).get(key)
+        return row
+
+    def ratio(rate: str, key: str, name: str) -> Spread | None:
+        row = at(rate, key)
+        return harness.ratio(row, name, DDP_EAGER) if row else None
+
+    mlp, compiled, out = "MLP, batch 256", "fsync compiled", []
+    out.append(
+        table.check(
+            f"{compiled} <= 0.95x DDP eager, 8 Gbit/s, {mlp}", ratio("8gbit", mlp, compiled), 0.95
+        )
+    )
+    row = at("8gbit", mlp)
+    share = hidden(row, compiled) if row else None
+    text = f"{compiled} hides >= 40% of the all-reduce, 8 Gbit/s, {mlp}"
+    out.append(table.check(text, share, 0.40, least=True, percent=True))
+    text = f"{compiled} <= 1.0x DDP eager, 8 Gbit/s, MLP batch 64"
+    out.append(table.check(text, ratio("8gbit", "MLP, batch 64", compiled), 1.0))
+    keys = [f"{name}, batch {batch}" for name in WORKLOADS for batch in BATCHES]
+    for key in keys:
+        text = f"{key}: grad_and_value eager <= 1.00x DDP eager, 8 Gbit/s"
+        out.append(table.check(text, ratio("8gbit", key, GAV), 1.0))
+    for key in keys:  # grad_and_value hides at least DDP's share, medians against medians
+        text = f"{key}: grad_and_value eager hides >= DDP eager's share, 8 Gbit/s"
+        if (row := at("8gbit", key)) is None:
+            out.append((text, "not run", None))
+            continue
+        mine, ddp = hidden(row, GAV).median, hidden(row, DDP_EAGER).median
+        out.append((text, f"{mine:.0%} vs {ddp:.0%}", mine >= ddp))
+    for key in keys:
+        bound = 0.90 if key.endswith("256") else 1.0
+        text = f"{key}: fsync compiled <= {bound:.2f}x DDP eager, 8 Gbit/s"
+        out.append(table.check(text, ratio("8gbit", key, compiled), bound))
+    for key in keys:
+        text = f"{key}: grad_and_value eager <= 1.05x DDP eager, unshaped"
+        out.append(table.check(text, ratio("unshaped", key, GAV), 1.05))
+    if (sync := at("8gbit", "sync alone")) is not None:
+        s = harness.ratio(sync, "sync_grads compiled", steps.FLAT)
+        out.append(
+            table.check("sync alone, compiled <= 1.05x the flat all-reduce, 8 Gbit/s", s, 1.05)
+        )
+    for name, row in results.get("unshaped", {}).get("memory", {}).items():
+        extra = row["memory"][GAV]["peak"] - row["memory"][DDP_EAGER]["peak"]
+        text = f"{name}, batch {MEMORY_BATCH}: grad_and_value eager's peak RSS <= DDP eager's"
+        text += f" + one bucket ({CAP_MB:g} MiB)"
+        out.append((text, f"{extra:+.1f} MiB ({extra / CAP_MB:+.2f} buckets)", extra <= CAP_MB))
+    zero_rows = {rate: at.get("zero", {}) for rate, at in results.items()}
+    return out + zero.targets(zero_rows, results.get("unshaped", {}).get("zero memory", {}))
+
+
+def _rows_at(results: dict[str, Any], rate: str) -> list[str]:
+    """The rows with 4 MiB buckets measured at ``rate``, in a fixed order."""
+    keys = ["MLP, batch 64", "MLP, batch 256"]
+    keys += [f"{name}, batch {batch}" for name in WORKLOADS for batch in BATCHES]
+    return [k for k in keys if k in results.get(rate, {})]
+
+
+def _columns(results: dict[str, Any], columns: list[tuple[str, str]]) -> list[list[str]]:
+    """Every figure of the (rate, row) ``columns`` in ms, one column each, then the shares
+    hidden."""
+    rows = [
+        [name, *[table.ms(harness.ms(results[r][k], name)) for r, k in columns]]
+        for name in [*SETTINGS, *FLOORS, FLAT, CEILING]
+    ]
+    for name in SETTINGS:
+        shares = [table.share(hidden(results[r][k], name)) for r, k in columns]
+        rows.append([f"{name}: share of the all-reduce hidden", *shares])
+    return rows
+
+
+def tables(results: dict[str, Any]) -> list[tuple[table.Table, str]]:
+    """Every table of the page, with the note printed above it."""
+    out: list[tuple[table.Table, str]] = []
+    mlp = "MLP, batch 256"
+    rates = [r for r in results if mlp in results[r]]
+    title = "Step time against link rate: MLP, batch 256, 4 MiB buckets (ms)"
+    out.append(
+        ((title, ["", *map(label, rates)], _columns(results, [(r, mlp) for r in rates])), "")
+    )
+
+    def cell(row: Row, name: str) -> str:
+        return (
+            f"{table.spread(harness.ratio(row, name, DDP_EAGER))}, {hidden(row, name).median:.0%}"
+        )
+
+    summary = [
+        [f"{k}, {label(rate)}", *[cell(results[rate][k], s) for s in SETTINGS]]
+        for rate in results
+        for k in _rows_at(results, rate)
+    ]
+    title = "Every workload: step time relative to DDP eager, and share of the all-reduce hidden"
+    out.append(((title, ["", *SETTINGS], summary), WORKLOADS_NOTE))
+    for name in WORKLOADS:
+        keys = [f"{name}, batch {b}" for b in BATCHES]
+        if columns := [(r, k) for k in keys for r in results if k in results[r]]:
+            header = ["", *[f"batch {k.rsplit(' ', 1)[1]}, {label(r)}" for r, k in columns]]
+            title = f"{name}: step time at batch 64 and 256, unshaped and at 8 Gbit/s (ms)"
+            out.append(((title, header, _columns(results, columns)), ""))
+    if memory := results.get("unshaped", {}).get("memory"):
+        _, header, cells = table.memory(memory, DDP_EAGER, CAP_MB)
+        title = f"Memory: peak RSS of the eager step, batch {MEMORY_BATCH}, unshaped"
+        out.append(((title, header, cells), MEMORY_NOTE))
+    where = "8gbit" if "8gbit" in results else next(iter(results), "")
+    at = results.get(where, {})
+    for k in ("MLP, batch 64", "MLP, batch 256, 25 MiB buckets"):
+        if k in at:
+            cells = table.timings(at[k], DDP_EAGER)
+            cells += [
+                [f"{s}: share of the all-reduce hidden", table.share(hidden(at[k], s)), ""]
+                for s in SETTINGS
+            ]
+            out.append(((f"At {label(where)}: {k}", ["", "ms", "vs DDP eager"], cells), ""))
+    if "sync alone" in at:
+        cells = table.timings(at["sync alone"], steps.FLAT)
+        title = f"At {label(where)}: the sync alone, MLP gradients"
+        out.append(((title, ["", "ms", "vs flat all-reduce"], cells), ""))
+    zero_rows = {rate: at["zero"] for rate, at in results.items() if at.get("zero")}
+    zero_memory = results.get("unshaped", {}).get("zero memory", {})
+    for i, t in enumerate(zero.tables(zero_rows, zero_memory)):
+        out.append((t, ZERO_NOTE if i == 0 else ""))
+    return out
+
+
+def figures(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
+    """Step time against rate and the share hidden (the MLP), step time relative to DDP
+    eager and the share hidden per workload, and the eager step's peak memory."""
+    mlp = "MLP, batch 256"
+    rates = [r for r in results if mlp in results[r]]
+    rows, labels = [results[r][mlp] for r in rates], [label(r) for r in rates]
+    figure, (ax,) = plot.figure(size=(7.5, 4.8))
+    for name in SETTINGS:
+        ax.plot(labels, [harness.ms(row, name) for row in rows], "o-", label=name)
+    compute = [harness.ms(row, "compute, functional compiled") for row in rows]
+    ax.plot(labels, compute, "k--", label="compute alone (compiled)")
+    wire = [c + harness.ms(row, FLAT) for c, row in zip(compute, rows, strict=True)]
+    ax.plot(labels, wire, "k:", label="compiled compute + flat all-reduce, one after the other")
+    ax.plot(labels, [harness.ms(row, CEILING) for row in rows], "--", color="grey", label=CEILING)
+    ax.set_xlabel("link rate (loopback shaped by slownet)")
+    ax.set_ylabel("ms per training step, median over rounds (lower is better)")
+    ax.set_title("MLP 8.4M parameters, batch 256, 4 MiB buckets, 2 gloo ranks")
+    ax.legend(fontsize=8)
+    paths = [plot.save(figure, out / "benchmarks-link-step.png")]
+    colors = {s: f"C{i}" for i, s in enumerate(SETTINGS)}
+
+    def shares(at: dict[str, Row], groups: list[str], title: str, path: str) -> None:
+        figure, (ax,) = plot.figure(size=(9, 4.4))
+        plot.bars(
+            ax, groups, list(SETTINGS), lambda g, s: _percent(hidden(at[g], s)), colors=colors
+        )
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_ylabel("% of the flat all-reduce hidden behind own compute")
+        ax.set_title(f"{title}: how much communication each step hides (higher is better)")
+        ax.legend(fontsize=7, ncol=2)
+        paths.append(plot.save(figure, out / path))
+
+    shares(
+        dict(zip(labels, rows, strict=True)), labels, "MLP, batch 256", "benchmarks-link-hidden.png"
+    )
+    shown = [r for r in WORKLOAD_RATES if r in results] or list(results)[:1]
+    figure, axes = plot.figure(len(shown), size=(9, 3.6 * len(shown) + 0.6))
+    for ax, rate in zip(axes, shown, strict=True):
+        others = [s for s in SETTINGS if s != DDP_EAGER]
+        plot.bars(ax, _rows_at(results, rate), others, _against(results[rate]), colors=colors)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_ylabel("step / DDP eager's")
+        ax.set_title(f"{label(rate)}: step time relative to DDP eager (lower is better)")
+    axes[0].legend(fontsize=7, ncol=2)
+    paths.append(plot.save(figure, out / "benchmarks-link-workloads.png"))
+    rate = "8gbit" if "8gbit" in results else next(iter(results))
+    shares(
+        results[rate], _rows_at(results, rate), label(rate), "benchmarks-link-workloads-hidden.png"
+    )
+    if memory := results.get("unshaped", {}).get("memory"):
+        figure, (ax,) = plot.figure(size=(7.5, 4.2))
+
+        def peak(workload: str, name: str) -> float:
+            m = memory[workload]["memory"]
+            return float(m[name]["peak"] - m[DDP_EAGER]["peak"])
+
+        plot.bars(
+            ax, list(memory), [s for s in MEMORY_SETTINGS if s != DDP_EAGER], peak, colors=colors
+        )
+        ax.axhline(0, color="black", linewidth=0.8)
+        target = f"target for grad_and_value: DDP's + one bucket ({CAP_MB:g} MiB)"
+        ax.axhline(CAP_MB, color="grey", linestyle="--", linewidth=0.8, label=target)
+        ax.set_ylabel("peak RSS - DDP eager's peak RSS (MiB)")
+        ax.set_title(f"Memory of the eager step, batch {MEMORY_BATCH}, rank 0 (lower is better)")
+        ax.legend(fontsize=7)
+        paths.append(plot.save(figure, out / "benchmarks-link-memory.png"))
+    return paths
+
+
+def _against(at: dict[str, Row]) -> Callable[[str, str], Spread]:
+    """A setting's step relative to DDP eager's, in the row of ``at`` a figure's group names."""
+    return lambda row, name: harness.ratio(at[row], name, DDP_EAGER)
+
+
+def _percent(s: Spread) -> Spread:
+    return Spread(100 * s.low, 100 * s.median, 100 * s.high)
+
+
+READING = (
+    "Written by `python benchmarks/run.py --only link` (as root; see `benchmarks/link.py`). "
+    "Each rate ran in its own network namespace whose loopback was shaped by "
+    "`../shared/tools/slownet`. Within a rate, each setting of a row ran in a gloo world of "
+    "its own processes, and the settings took turns, world after world, round after round "
+    "(`benchmarks/harness.py`): a figure in ms is the median over the rounds of a turn's "
+    "time per step on rank 0; a ratio and a share hidden are taken round by round and "
+    "given as `median [lowest, highest]` over the rounds; a target is judged on the median. "
+    "The share hidden is (own compute + flat all-reduce - step) / flat all-reduce, with "
+    "each setting's own compute: the module rows for DDP, the functional rows for fsync. "
+    "Every setting uses 4 MiB buckets (`bucket_cap_mb=4`, DDP and fsync alike) unless its "
+    "row says otherwise. *fsync eager, grad_and_value* is `fsync.grad_and_value`, which "
+    "starts each bucket's all-reduce as backward completes it; *fsync eager, torch.func + "
+    "sync_grads* syncs after `torch.func.grad_and_value` returns; *fsync compiled* is "
+    "`fsync.compile` of the whole step calling `fsync.grad_and_value`; *DDP compiled* is "
+    "`torch.compile` of the DDP module."
+)
+WORKLOADS_NOTE = (
+    "The deep MLP: 8 equal `nn.Linear(1024, 1024)` layers with GELU between them, "
+    "cross-entropy over 1024 classes (8.4M parameters, 33.6 MB of gradients). The GPT: "
+    "6 layers, d_model 512, 21M parameters; its batch counts tokens per rank per step: "
+    "batch 64 is 1 sequence of 64 tokens, batch 256 is 4 sequences of 64. A cell: the step "
+    "relative to DDP eager's, then the median share of the all-reduce hidden."
+)
+MEMORY_NOTE = (
+    "Each setting ran in a 2-rank gloo world of its own (unshaped) for one turn, so that the "
+    "peak belongs to it: RSS of rank 0 once the setting is built (model, DDP), and its peak "
+    "(`VmHWM`, reset after one warm-up step) over the timed steps, with glibc's mmap "
+    "threshold fixed at 64 KiB (`mallopt`) so that freed tensors go back to the system and "
+    "RSS follows the tensors alive (with glibc's default, which keeps freed memory to reuse, "
+    "the peak varies by a few buckets from one run to the next). Every setting keeps one "
+    "copy of the parameters: the fsync steps update them in place as `torch.optim.SGD` "
+    "does, so the settings differ in their gradients and sync alone. One bucket is 4 MiB."
+)
+ZERO_NOTE = (
+    "AdamW (lr 1e-3): `torch.optim.AdamW` in `ZeroRedundancyOptimizer`, `fsync.optim.adamw` "
+    "in `fsync.ops.zero(..., bucket_cap_mb=4)`. *after torch.func.grad*: `params, state = "
+    "step(params, grads, state)` once `torch.func.grad` returns; *value_and_step*: `call = "
+    "step.value_and_step(loss)`, `(params, loss), state = call(state, params, batch)`, one "
+    "backward that reduce-scatters each bucket as backward completes it, updates the shard "
+    "and all-gathers it; *compiled*: `fsync.compile` of the whole step. The share hidden is "
+    "(own compute + RS/AG alone - step) / RS/AG alone, where RS/AG alone is a reduce-scatter "
+    "and an all-gather of each of fsync's 4 MiB buckets with no compute, and own compute is "
+    "the floor below each step's kind (module or functional, eager or compiled), which runs "
+    "the same forward, backward and AdamW of this rank's part. torch's overlapped "
+    "`ZeroRedundancyOptimizer(overlap_with_ddp=True)` with `hook_with_zero_step` refuses "
+    "gloo (pytorch/pytorch#62300), so on these CPU ranks it cannot run: its rows say so."
+)
+
+
+def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
+    """``benchmarks-link.md`` and its figures in ``out``."""
+    sections = [(table.targets(targets(results)), ""), *tables(results)]
+    pngs = figures(results, out)
+    return table.page(
+        out / "benchmarks-link.md", "Benchmarks on a slow link", [READING], pngs, sections
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        child(args)
+        assert args.json is not None
+        args.json.write_text(json.dumps(child(args)))
         return 0
-    from benchmarks import link_report
-
-    results = measure(args)
-    paths = link_report.write(results, args.out)
-    print("wrote " + ", ".join(str(p) for p in paths))
+    print("wrote " + ", ".join(map(str, write(measure(args), args.out))))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks import link  # this module by name, so that its builders pickle
+
+    sys.exit(link.main())

@@ -1,19 +1,20 @@
-"""The benchmark workloads: two MLPs of ~8M parameters (3 wide layers, 8 narrow) and a small GPT
-of ~20M."""
+"""The benchmark workloads: two MLPs of 8.4M parameters (3 wide layers, 8 narrow) and a
+small GPT of 21M, each named by a :class:`Load` that any process can rebuild."""
 
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from gpt_model import GPT, GPTConfig
+from benchmarks.constants import GPT_BLOCK, ROOT
+
+sys.path.insert(0, str(ROOT / "examples"))
+from gpt_model import GPT, GPTConfig  # type: ignore[import-not-found]  # examples/
 
 
 @dataclasses.dataclass
@@ -28,7 +29,7 @@ class Workload:
     def batch(self, rank: int) -> tuple[torch.Tensor, ...]:
         return self.make_batch(torch.Generator().manual_seed(1000 + rank))
 
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def loss(self, model: Callable[..., torch.Tensor], batch: tuple[Any, ...]) -> torch.Tensor:
         x, y = batch
         return self.criterion(model(x), y)
 
@@ -54,14 +55,12 @@ def mlp(width: int = 2048, depth: int = 3, batch: int = 64, scale: float = 1.0) 
     for _ in range(depth - 2):
         layers += [nn.Linear(width, width), nn.GELU()]
     layers.append(nn.Linear(width, width // 2))
-    model = nn.Sequential(*layers)
 
     def make_batch(g: torch.Generator) -> tuple[torch.Tensor, ...]:
-        return torch.randn(batch, width // 2, generator=g), torch.randn(
-            batch, width // 2, generator=g
-        )
+        x = torch.randn(batch, width // 2, generator=g)
+        return x, torch.randn(batch, width // 2, generator=g)
 
-    return Workload("MLP", model, make_batch, nn.functional.mse_loss)
+    return Workload("MLP", nn.Sequential(*layers), make_batch, nn.functional.mse_loss)
 
 
 def deep_mlp(width: int = 1024, depth: int = 8, batch: int = 64, scale: float = 1.0) -> Workload:
@@ -69,7 +68,7 @@ def deep_mlp(width: int = 1024, depth: int = 8, batch: int = 64, scale: float = 
     default), cross-entropy over ``width`` classes on random labels.
 
     Many gradients of one bucket's size (4 MiB each by default), produced one after the
-    other by backward: the shape where starting each bucket's all-reduce as soon as
+    other by backward: the shape where starting each bucket's collective as soon as
     backward completes it pays.
     """
     torch.manual_seed(0)
@@ -77,25 +76,23 @@ def deep_mlp(width: int = 1024, depth: int = 8, batch: int = 64, scale: float = 
     layers: list[nn.Module] = [nn.Linear(width, width)]
     for _ in range(depth - 1):
         layers += [nn.GELU(), nn.Linear(width, width)]
-    model = nn.Sequential(*layers)
 
     def make_batch(g: torch.Generator) -> tuple[torch.Tensor, ...]:
-        return torch.randn(batch, width, generator=g), torch.randint(
-            0, width, (batch,), generator=g
-        )
+        x = torch.randn(batch, width, generator=g)
+        return x, torch.randint(0, width, (batch,), generator=g)
 
-    return Workload("deep MLP", model, make_batch, nn.functional.cross_entropy)
+    return Workload("deep MLP", nn.Sequential(*layers), make_batch, nn.functional.cross_entropy)
 
 
 def gpt(
     n_layer: int = 6,
     d_model: int = 512,
     vocab_size: int = 2048,
-    block_size: int = 64,
+    block_size: int = GPT_BLOCK,
     batch: int = 4,
     scale: float = 1.0,
 ) -> Workload:
-    """A small GPT (about 21M parameters by default) on random tokens."""
+    """A small GPT (about 21M parameters by default) on random tokens, ``batch`` sequences."""
     torch.manual_seed(0)
     d_model = max(32, int(d_model * scale))
     config = GPTConfig(
@@ -105,7 +102,6 @@ def gpt(
         n_head=max(1, d_model // 64),
         d_model=d_model,
     )
-    model = GPT(config)
 
     def make_batch(g: torch.Generator) -> tuple[torch.Tensor, ...]:
         tokens = torch.randint(0, vocab_size, (batch, block_size + 1), generator=g)
@@ -116,4 +112,33 @@ def gpt(
             logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
         )
 
-    return Workload("GPT", model, make_batch, criterion)
+    return Workload("GPT", GPT(config), make_batch, criterion)
+
+
+class Load(NamedTuple):
+    """A workload by name and batch per rank (the GPT's batch counts tokens, in sequences of
+    ``GPT_BLOCK``): a small value that a page hands to the processes that build it.
+
+    ``smoke`` builds tiny sizes that take every code path (the deep MLP: 3 layers; the GPT:
+    1 layer, narrow); the MLPs at 1/16 of their width.
+    """
+
+    name: str
+    batch: int
+    smoke: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.name}, batch {self.batch}"
+
+    def build(self) -> Workload:
+        scale = 1 / 16 if self.smoke else 1.0
+        if self.name == "MLP":
+            return mlp(batch=self.batch, scale=scale)
+        if self.name == "deep MLP":
+            return deep_mlp(batch=self.batch, scale=scale, **({"depth": 3} if self.smoke else {}))
+        if self.name != "GPT":
+            raise ValueError(f"no workload {self.name!r}; expected MLP, deep MLP or GPT")
+        sequences = max(1, self.batch // GPT_BLOCK)
+        if self.smoke:
+            return gpt(n_layer=1, scale=1 / 8, vocab_size=256, batch=sequences)
+        return gpt(batch=sequences)

@@ -1,62 +1,92 @@
-"""fsync beside DDP on the same work, in one run: ``python benchmarks/run.py``.
+"""fsync beside DDP on the same work: ``python benchmarks/run.py`` writes ``docs/benchmarks.md``.
 
-Starts a gloo world of ``--world-size`` CPU processes (2 by default), runs every case
-in :mod:`benchmarks.cases`, prints the tables, and writes ``docs/benchmarks.md`` and
-``docs/benchmarks.png``. ``--smoke`` runs tiny sizes and few steps (what CI runs);
-``--only`` picks cases. Each figure is a median over steps after warm-up, and every
-comparison is a ratio of figures taken in this run. Two cases have pages and processes of
-their own: ``link`` (:mod:`benchmarks.link`, a loopback shaped to a rate) and ``twonodes``
-(:mod:`benchmarks.twonodes`, two network namespaces joined by a shaped cable, 2 nodes x 2
-ranks); both need root, and ``twonodes`` is skipped, saying so, where it cannot run.
+Each section's settings take turns, each in a gloo world of its own (2 CPU ranks by
+default; :mod:`benchmarks.harness`): 1. the training step of three workloads, with the
+overlap that ``fsync.compile`` buys read off inductor's code; 2. the sync alone on the
+GPT's gradients; 3. the same bytes as more and more leaves; 4. what each hook sends;
+6. the compiled sync taken apart (on a GPU with ``--device cuda``); ZeRO has a section of its
+own on the slow-link page. ``--smoke`` runs tiny sizes and few rounds (what CI runs);
+``--only`` picks sections. This is also the front door of the other pages: ``link``
+(:mod:`benchmarks.link`, a loopback shaped to a rate) and ``twonodes``
+(:mod:`benchmarks.twonodes`, two network namespaces joined by a shaped cable) are in the
+default run; both need root, and each says so and skips what it cannot run.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
 import pathlib
-import platform
-import socket
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from typing import Any
+
+if not __package__:  # run as a script: the repository first, not benchmarks/
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch._inductor.utils import run_and_get_code
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import fsync
+from benchmarks import harness, link, plot, steps, table, twonodes
+from benchmarks.constants import DOCS
+from benchmarks.harness import Built, Row, Setting
+from benchmarks.models import Load
+from benchmarks.steps import setting
 
-import fsync  # noqa: E402
-from benchmarks import cases, link, models, twonodes  # noqa: E402
-
-CASES = ("step", "sync", "leaves", "hooks", "zero", "anatomy", "link", "twonodes")
-# What runs on a GPU: the other cases compare with DDP on CPU processes.
-CUDA_CASES = ("anatomy",)
+CASES = ("step", "sync", "leaves", "hooks", "anatomy", "link", "twonodes")
+CUDA_CASES = ("anatomy",)  # what runs on a GPU: the rest compares with DDP on CPU
+DDP_EAGER = "DDP eager"
+GRAD_AND_VALUE = "fsync eager, grad_and_value"
+OVERLAP = "fsync compiled + overlap"
+AGREEMENT = "the ranks' agreement alone (in every sync)"
+FLAT, PURE_MEAN = steps.FLAT, steps.PURE_MEAN
+COPY = "copy of the same bytes (floor)"
+COMPILED_SYNC = "sync_grads, compiled"
+HOOKS: dict[str, Callable[[], fsync.Hook]] = {
+    "allreduce": fsync.ops.allreduce,
+    "fp16_compress": fsync.ops.fp16_compress,
+    "bf16_compress": fsync.ops.bf16_compress,
+    "powersgd(1)": lambda: fsync.ops.powersgd(1, start_step=0),
+    "powersgd(4)": lambda: fsync.ops.powersgd(4, start_step=0),
+    "quantize(8)": fsync.ops.quantize,
+}
+READING = (
+    "How to read it. Rows marked *no sync* are floors: the module rows train with "
+    "autograd as DDP does, the functional rows with `torch.func` as fsync's steps do. "
+    "*fsync eager* syncs with `sync_grads` after `torch.func.grad_and_value` returns; *fsync "
+    "eager, grad_and_value* is `fsync.grad_and_value`, whose all-reduces start during "
+    "backward as each bucket completes, as DDP's do; the compiled fsync steps are "
+    "`fsync.compile` of the first. "
+    "Sync only has two floors: the flat all-reduce sums one preallocated tensor in place, "
+    "which a sync may not do (it must leave the caller's gradients alone and return their "
+    "mean); the pure mean adds the one scaled copy into fresh memory that any such sync "
+    "needs."
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, few steps (CI)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, few rounds (CI)")
     parser.add_argument("--only", default=",".join(CASES), help=f"comma-separated, of {CASES}")
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="cpu: gloo ranks on this machine; cuda: NCCL, one rank per GPU, case 6 only",
+        help="cpu: gloo ranks on this machine; cuda: NCCL, one rank per GPU, section 6 only",
     )
     parser.add_argument("--world-size", type=int, default=None, help="2 on CPU, 1 on CUDA")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per figure")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per figure")
+    parser.add_argument("--rounds", type=int, default=None, help="turns per setting (10)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per turn (2)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per world (5)")
     parser.add_argument(
         "--leaves",
         default="1,100,1000,10000",
         help="leaf counts to scale over (10,000 leaves compile in 2 to 3 minutes on 2 cores)",
     )
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs", help="report folder")
+    parser.add_argument("--out", type=pathlib.Path, default=DOCS, help="report folder")
     parser.add_argument("--no-report", action="store_true", help="print only")
     args = parser.parse_args(argv)
     args.only = [c for c in args.only.split(",") if c]
@@ -68,62 +98,189 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not torch.cuda.is_available():
             parser.error("--device cuda needs a CUDA device; none is visible")
     args.world_size = args.world_size or (2 if args.device == "cpu" else 1)
-    args.steps = args.steps or (3 if args.smoke else 20)
-    args.warmup = args.warmup or (2 if args.smoke else 5)
+    args.rounds = args.rounds or (2 if args.smoke else 10)
+    args.steps = args.steps or (1 if args.smoke else 2)
+    args.warmup = args.warmup or (1 if args.smoke else 5)
     return args
 
 
-def _workloads(smoke: bool) -> list[models.Workload]:
-    """The MLP first (ZeRO's workload), the GPT last (the sync, hooks and anatomy cases')."""
-    if smoke:  # the slow-link page's smoke workloads, whose compiled graphs they share
-        return [link.workload(name, batch, smoke=True) for name, batch in link.SMOKE_RUNS]
-    return [models.mlp(), models.deep_mlp(), models.gpt()]
+def loads(smoke: bool) -> list[Load]:
+    """The workloads: the MLP, the deep MLP, and last the GPT (the sync, hook and anatomy
+    sections'); a smoke run: the GPT alone (each code path once), at the slow-link page's
+    smoke size, whose graphs it shares."""
+    if smoke:
+        return [Load("GPT", 256, smoke=True)]
+    return [Load("MLP", 64), Load("deep MLP", 64), Load("GPT", 256)]
 
 
-def _worker(rank: int, args: argparse.Namespace, init_file: str, result_file: str) -> None:
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    torch.set_num_threads(1)  # the ranks share the machine's cores
-    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        _backend(args),
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=args.world_size,
-    )
-    results: dict[str, Any] = {}
-    workloads = _workloads(args.smoke)
-    timing = {"warmup": args.warmup, "steps": args.steps}
-    if "step" in args.only:
-        step = {w.name: cases.case_step_time(w, **timing) for w in workloads}
-        results["step"] = {name: times for name, (times, _) in step.items()}
-        results["overlap"] = {name: counts for name, (_, counts) in step.items()}
-        results["params"] = {w.name: w.num_params for w in workloads}
-    if "sync" in args.only:
-        results["sync"] = cases.case_sync_only(workloads[-1], **timing)
-    if "leaves" in args.only:
-        counts = [int(n) for n in args.leaves.split(",")]
-        # Floats: 256 KiB or 24 MiB. Under glibc's largest mmap threshold (32 MiB), so
-        # that one leaf's bucket reuses heap memory as the split ones do rather than
-        # being mapped and faulted in afresh on every call.
-        total = 1 << 16 if args.smoke else 6 << 20
-        results["leaves"] = cases.case_leaf_scaling(total, counts, **timing)
-        results["leaves_bytes"] = total * 4
-    if "hooks" in args.only:
-        results["hooks"] = cases.case_hooks(workloads[-1], **timing)
-    if "zero" in args.only:
-        results["zero"] = cases.case_zero(workloads[0], **timing)
-    if "anatomy" in args.only:
-        results["anatomy"] = cases.case_anatomy(workloads[-1], **timing, device=device)
+# --- 1. the step ----------------------------------------------------------------------------
+
+
+def step_settings(load: Load) -> list[Setting]:
+    """One training step (forward, backward, sync, SGD update) in each setting."""
+    module, functional = steps.module, steps.functional
+    return [
+        setting("local eager (no sync)", module, load=load, ddp=False),
+        setting(DDP_EAGER, module, load=load, ddp=True),
+        setting("DDP compiled", module, load=load, ddp=True, compiled=True),
+        setting("local functional eager (no sync)", functional, load=load, sync=None),
+        setting("local compiled (no sync)", functional, load=load, sync=None, compiled=True),
+        setting("fsync eager", functional, load=load, sync="sync_grads"),
+        setting(GRAD_AND_VALUE, functional, load=load, sync="grad_and_value"),
+        setting(
+            "fsync compiled", functional, load=load, sync="sync_grads", compiled=True, overlap=False
+        ),
+        setting(OVERLAP, functional, load=load, sync="sync_grads", compiled=True),
+        # A 1 ms collective, timed over 25 calls a step: a turn of two would mostly
+        # measure how far apart the ranks leave the barrier before it.
+        setting(AGREEMENT, steps.agreement, load=load, repeat=25),
+    ]
+
+
+# --- 2. the sync alone, 3. leaf scaling, 4. hooks, 6. anatomy: built in their processes ------
+
+
+def sync_settings(load: Load) -> list[Setting]:
+    names = [FLAT, PURE_MEAN, "sync_grads eager", "sync_grads torch.compile"]
+    names += ["sync_grads fsync.compile, overlap off", "sync_grads compiled"]
+    return [setting(n, steps.sync_alone, load=load, how=n) for n in names]
+
+
+def leaves(n: int, total: int, compiled: bool) -> Built:
+    """The sync of ``total`` floats as ``n`` leaves; compiled, with its compile time."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    grads = {f"leaf{i}": torch.randn(total // n, generator=g) for i in range(n)}
+    if not compiled:
+        return Built(lambda: fsync.sync_grads(grads))
+    sync = fsync.compile(_sync)
+    started = time.perf_counter()
+    sync(grads)
+    seconds = time.perf_counter() - started
+    return Built(lambda: sync(grads), lambda: {"compile s": seconds})
+
+
+def _sync(grads: dict[str, torch.Tensor]) -> Any:
+    return fsync.sync_grads(grads)
+
+
+def hook(load: Load, name: str) -> Built:
+    """The eager ``GradSync`` of the model's gradients with one hook, and what it sends."""
+    work = load.build()
+    grads = torch.func.grad(work.functional_loss)(work.params(), work.batch(dist.get_rank()))
+    sync = fsync.GradSync(hook=HOOKS[name]())
+    box = [sync.init(grads)]
+
+    def step() -> None:
+        _, box[0] = sync(grads, box[0])
+
+    def info() -> dict[str, Any]:
+        size = dist.get_world_size()
+        stats = fsync.sync_stats(
+            sync.plan(box[0]), hook=sync.hook, state=box[0].hook, world_size=size
+        )
+        return {
+            "bytes on wire": float(stats.bytes_on_wire),
+            "relative": stats.bytes_on_wire / stats.bytes_reduced,
+            "collectives": float(stats.num_collectives),
+        }
+
+    return Built(step, info)
+
+
+def anatomy(load: Load, what: str, device: str) -> Built:
+    """The compiled sync of the model's gradients on ``device``, taken apart: the sync
+    (kernels per bucket read off inductor's code, compile time, graphs compiled over more
+    calls with new values), packing and unpacking alone, and one copy of the same bytes."""
+    where = torch.device(device, dist.get_rank()) if device == "cuda" else torch.device(device)
+    work = load.build()
+    grads = torch.func.grad(work.functional_loss)(work.params(), work.batch(dist.get_rank()))
+    grads = {k: g.to(where) for k, g in grads.items()}
+    plan = fsync.plan_buckets(grads)
+
+    def timed(fn: Callable[[], object]) -> Callable[[], None]:
+        def call() -> None:
+            fn()
+            if where.type == "cuda":
+                torch.cuda.synchronize(where)
+
+        return call
+
+    if what == COPY:
+        # The same bytes in pieces of the buckets' sizes, so that both sides allocate alike
+        # (on CPU one 80 MiB tensor is mapped and faulted in afresh on every call, where a
+        # bucket-sized one reuses the heap).
+        flat = torch.cat([g.reshape(-1) for g in grads.values()])
+        pieces = torch.split(flat, [spec.numel for spec in plan.specs])
+        return Built(timed(lambda: [piece.clone() for piece in pieces]))
+    if what != COMPILED_SYNC:
+
+        def round_trip(g: dict[str, torch.Tensor]) -> Any:
+            return fsync.unpack(fsync.pack(g, plan), plan)
+
+        fn = fsync.compile(round_trip) if what == "pack + unpack, compiled" else round_trip
+        return Built(timed(lambda: fn(grads)))
+    sync = fsync.compile(_sync)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    started = time.perf_counter()
+    with torch._inductor.config.patch(force_disable_caches=True):  # the compile time itself
+        _, code = run_and_get_code(sync, grads)
+    seconds = time.perf_counter() - started
+    for s in range(3):
+        sync({k: g * (s + 2) for k, g in grads.items()})
+    info = {
+        "device": str(where),
+        "buckets": len(plan.buckets),
+        "kernels": steps.kernels_launched(code[-1]),
+        "compile s": seconds,
+        "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs - 1,
+        "bytes": float(sum(plan.nbytes)),
+    }
+    return Built(timed(lambda: sync(grads)), lambda: info)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every section asked for, each a round of turns (:func:`benchmarks.harness.turns`)."""
+    node = harness.Node(local=args.world_size)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    work, results = loads(args.smoke), dict[str, Any]()
+    # Floats: 256 KiB or 24 MiB. Under glibc's largest mmap threshold (32 MiB), so that one
+    # leaf's bucket reuses heap memory as the split ones do rather than being mapped and
+    # faulted in afresh on every call.
+    total = 1 << 16 if args.smoke else 6 << 20
+    counts = [int(n) for n in args.leaves.split(",")]
+    anatomy_names = [COPY, "pack + unpack, eager", "pack + unpack, compiled", COMPILED_SYNC]
+    sections: dict[str, Callable[[], list[Setting]]] = {
+        "sync": lambda: sync_settings(work[-1]),
+        "leaves": lambda: [
+            setting(f"{mode} {n}", leaves, n=n, total=total, compiled=mode == "compiled")
+            for mode in ("eager", "compiled")
+            for n in counts
+        ],
+        "hooks": lambda: [setting(n, hook, load=work[-1], name=n) for n in HOOKS],
+        "anatomy": lambda: [
+            setting(n, anatomy, load=work[-1], what=n, device=args.device) for n in anatomy_names
+        ],
+    }
+    with tempfile.TemporaryDirectory(prefix="fsync-bench-") as tmp:
+        timing = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
+        options = {"node": node, "backend": backend, "env": harness.inductor_cache(tmp, args.smoke)}
+
+        def turns(settings: list[Setting]) -> Row | None:
+            return harness.turns(settings, **timing, **options)  # type: ignore[arg-type]
+
+        if "step" in args.only:
+            results["step"] = {load.name: turns(step_settings(load)) for load in work}
+        results |= {name: turns(make()) for name, make in sections.items() if name in args.only}
+    results["leaves_bytes"] = total * 4
     results["gpu"] = _gpu_note(args)
-    if rank == 0:
-        pathlib.Path(result_file).write_text(json.dumps(results))
-    cases.leave_group()
-
-
-def _backend(args: argparse.Namespace) -> str:
-    return "nccl" if args.device == "cuda" else "gloo"
+    ranks = f"{args.world_size} rank{'s' if args.world_size > 1 else ''}"
+    results["environment"] = table.environment(
+        backend=f"{backend} on {args.device.upper()}, {ranks}, 1 intra-op thread each",
+        turns=f"{args.rounds} rounds of {args.steps} steps per setting, after {args.warmup} "
+        "steps of warm-up",
+        sizes="smoke (tiny)" if args.smoke else "full",
+    )
+    return results
 
 
 def _gpu_note(args: argparse.Namespace) -> str:
@@ -139,65 +296,199 @@ def _gpu_note(args: argparse.Namespace) -> str:
     )
 
 
-def _environment(args: argparse.Namespace) -> dict[str, str]:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{socket.gethostname()}: {cpu}, {os.cpu_count()} cores, {platform.system()}",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "fsync": fsync.__version__,
-        "backend": f"{_backend(args)} on {args.device.upper()}, "
-        f"{args.world_size} rank{'s' if args.world_size > 1 else ''}, 1 intra-op thread each",
-        "sizes": "smoke (tiny)" if args.smoke else "full",
-    }
+# --- the page -------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="fsync-bench-") as tmp:
-        os.environ.update(cases.inductor_cache(tmp, args.smoke))
-        result_file = os.path.join(tmp, "results.json")
-        mp.spawn(
-            _worker,
-            args=(args, os.path.join(tmp, "init"), result_file),
-            nprocs=args.world_size,
-            join=True,
-        )
-        results: dict[str, Any] = json.loads(pathlib.Path(result_file).read_text())
-    results["environment"] = _environment(args)
-    return results
+def targets(results: dict[str, Any]) -> list[table.Target]:
+    """(target, measured, met) for every target this run can speak to; met: the median."""
+    out, check = [], table.check
+    for model, row in results.get("step", {}).items():
+        over = harness.ratio(row, OVERLAP, DDP_EAGER), harness.ratio(row, OVERLAP, "DDP compiled")
+        out.append(check(f"{model}: fsync compiled <= 0.85 x DDP eager", over[0], 0.85))
+        out.append(check(f"{model}: fsync compiled <= DDP compiled", over[1], 1.0))
+        for name in ("fsync eager", OVERLAP):
+            s = harness.ratio(row, AGREEMENT, name)
+            text = f"{model}: the ranks' agreement < 1% of the {name} step"
+            out.append((text, table.share(s, 2), s.median < 0.01))
+    for mode in ("compiled", "eager") if "sync" in results else ():
+        s = harness.ratio(results["sync"], f"sync_grads {mode}", FLAT)
+        out.append(check(f"sync only ({mode}) <= 1.10 x flat all-reduce", s, 1.10))
+    counts = _counts(results.get("leaves"))
+    if len(counts) > 1:
+        s = harness.ratio(results["leaves"], f"compiled {counts[-1]}", f"compiled {counts[0]}")
+        out.append(check(f"compiled sync of {counts[-1]:,} leaves <= 1.3 x 1 leaf", s, 1.3))
+    if "anatomy" in results:
+        info = results["anatomy"]["info"][COMPILED_SYNC][0]
+        on, per_bucket = f"({info['device']})", info["kernels"] / info["buckets"]
+        text = f"pack + unpack kernels per bucket <= 2 {on}"
+        out.append((text, f"{per_bucket:g}", per_bucket <= 2))
+        s = harness.ratio(results["anatomy"], COPY, "pack + unpack, compiled")
+        text = f"pack + unpack >= 80% of copy bandwidth {on}"
+        out.append(check(text, s, 0.8, least=True, percent=True))
+        n = info["recompiles"]
+        out.append((f"no recompile after the first step {on}", str(n), n == 0))
+    if results.get("gpu"):
+        out.append(("compute/communication overlap on GPUs, above DDP's", "not measured", None))
+    return out
+
+
+def _counts(row: Row | None) -> list[int]:
+    """The leaf counts of the leaf-scaling row, fewest first."""
+    return sorted({int(n.split()[1]) for n in row["rounds"]}) if row else []
+
+
+def tables(results: dict[str, Any]) -> list[table.Table]:
+    out: list[table.Table] = []
+    for model, row in results.get("step", {}).items():
+        n = row["info"][DDP_EAGER][0]["params"]
+        title = f"1. Step time, {model} ({n / 1e6:.1f}M parameters): ms per step"
+        out.append((title, ["setting", "ms", "vs DDP eager"], table.timings(row, DDP_EAGER)))
+    overlap = [
+        [f"{model}: {name}", str(info[0]["collectives"]), str(info[0]["overlapped"])]
+        for model, row in results.get("step", {}).items()
+        for name, info in row["info"].items()
+        if "collectives" in info[0]
+    ]
+    if overlap:
+        header = ["", "collectives", "compute kernels launched while one is in flight"]
+        out.append(("1b. Overlap in the compiled step (read off inductor's code)", header, overlap))
+    if "sync" in results:
+        mib = results["sync"]["info"][FLAT][0]["bytes"] / 2**20
+        header = ["", "ms", "vs flat all-reduce", "vs pure mean"]
+        rows = table.timings(results["sync"], FLAT, PURE_MEAN)
+        out.append((f"2. Sync only: the GPT's gradients ({mib:.1f} MiB)", header, rows))
+    if counts := _counts(results.get("leaves")):
+        row = results["leaves"]
+        rows = []
+        for n in counts:
+            cells = [f"{n:,}"]
+            for mode in ("eager", "compiled"):
+                ratio = harness.ratio(row, f"{mode} {n}", f"{mode} {counts[0]}")
+                cells += [table.ms(harness.ms(row, f"{mode} {n}")), table.spread(ratio)]
+            rows.append([*cells, f"{row['info'][f'compiled {n}'][0]['compile s']:.0f}"])
+        header = ["leaves", "eager ms", "vs 1", "compiled ms", "vs 1", "compile s (empty cache)"]
+        title = f"3. Leaf scaling: {results['leaves_bytes'] / 2**20:.0f} MiB as n leaves"
+        out.append((title, header, rows))
+    if "hooks" in results:
+        info = results["hooks"]["info"]
+
+        def sent(name: str) -> list[str]:
+            stats = info[name][0]
+            mib = stats["bytes on wire"] / 2**20
+            return [f"{mib:.2f}", f"{stats['relative']:.3f}", f"{stats['collectives']:.0f}"]
+
+        header = ["hook", "ms", "ms vs all-reduce", "MiB on wire", "vs all-reduce", "collectives"]
+        rows = table.timings(results["hooks"], "allreduce", extra=sent)
+        out.append(("4. Hooks on the GPT's gradients (eager GradSync)", header, rows))
+    if "anatomy" in results:
+        info = results["anatomy"]["info"][COMPILED_SYNC][0]
+        nbytes = info["bytes"]
+
+        def rate(name: str) -> list[str]:
+            return [f"{2 * nbytes / harness.ms(results['anatomy'], name) / 1e6:.1f}"]
+
+        header = ["", "ms", "vs copy", "GB/s read + written"]
+        rows = table.timings(results["anatomy"], COPY, extra=rate)
+        title = f"6. The compiled sync up close, on {info['device']}: the GPT's gradients"
+        out.append((f"{title} ({nbytes / 2**20:.1f} MiB)", header, rows))
+        per_bucket = f"{info['kernels'] / info['buckets']:g}"
+        cells = [str(info["buckets"]), str(info["kernels"]), per_bucket]
+        cells += [f"{info['compile s']:.1f}", str(info["recompiles"])]
+        header = ["buckets", "kernels", "kernels per bucket", "compile s", "graphs after the first"]
+        out.append(("6b. What the compiled sync is made of", header, [cells]))
+    return out
+
+
+def figures(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
+    """One figure per question: step time, leaf scaling, hook bytes."""
+    paths = []
+    if "step" in results:
+        steps_ = results["step"]
+        names = list(next(iter(steps_.values()))["rounds"])
+        figure, (ax,) = plot.figure(size=(8, 0.35 * len(names) * len(steps_) + 1.5))
+
+        def vs_ddp(name: str, model: str) -> harness.Spread:
+            return harness.ratio(steps_[model], name, DDP_EAGER)
+
+        plot.bars(ax, names, list(steps_), vs_ddp, horizontal=True)
+        ax.axvline(1.0, color="grey", linewidth=0.8)
+        ax.set_xlabel("step time relative to DDP eager, median and range (lower is better)")
+        ax.set_title(f"One training step, {results['environment']['backend']}")
+        ax.legend()
+        ax.invert_yaxis()
+        paths.append(plot.save(figure, out / "benchmarks-step.png"))
+    if counts := _counts(results.get("leaves")):
+        figure, (ax,) = plot.figure(size=(6.5, 4.2))
+        for mode in ("eager", "compiled"):
+            name = f"{mode} {{}}".format
+            ratios = [harness.ratio(results["leaves"], name(n), name(counts[0])) for n in counts]
+            ax.plot(counts, [r.median for r in ratios], "o-", label=mode)
+            ax.fill_between(counts, [r.low for r in ratios], [r.high for r in ratios], alpha=0.2)
+        ax.set_xscale("log")
+        ax.axhline(1.3, color="grey", linestyle="--", linewidth=0.8, label="target 1.3x")
+        ax.set_xlabel("leaves (same total bytes)")
+        ax.set_ylabel("sync time relative to 1 leaf")
+        ax.set_title("Does the sync scale with the number of leaves?")
+        ax.legend()
+        paths.append(plot.save(figure, out / "benchmarks-leaves.png"))
+    if "hooks" in results:
+        info = results["hooks"]["info"]
+        figure, (ax,) = plot.figure(size=(6.5, 0.4 * len(info) + 1.5))
+        ax.barh(list(info), [i[0]["relative"] for i in info.values()])
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes on the wire relative to all-reduce")
+        ax.set_title("What each hook sends")
+        ax.invert_yaxis()
+        paths.append(plot.save(figure, out / "benchmarks-hooks.png"))
+    return paths
+
+
+INTRO = (
+    "Written by `python benchmarks/run.py` (do not edit by hand). Each setting runs in a "
+    "gloo world of its own processes; the settings of a table take turns, world after "
+    "world, round after round (`benchmarks/harness.py`), so that a drift of the machine "
+    "weighs on all alike and no setting shares a process with another. A figure in ms is "
+    "the median over the rounds of a turn's time per step on rank 0, after warm-up "
+    "(compilation happens in the warm-up); a ratio is taken round by round and given as "
+    "`median [lowest, highest]` over the rounds; a target is judged on the median."
+)
+ELSEWHERE = (
+    "Communication on a link slower than compute (overlap, ZeRO at 8 Gbit/s): "
+    "[benchmarks on a slow link](benchmarks-link.md), from `--only link`; the hierarchical "
+    "mean on two nodes joined by a slower cable: [benchmarks on two nodes]"
+    "(benchmarks-twonodes.md), from `--only twonodes`."
+)
+
+
+def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
+    environment = table.markdown(["", ""], results["environment"].items())
+    sections = [(t, "") for t in [table.targets(targets(results)), *tables(results)]]
+    end = ["## 7. GPU", "", results["gpu"], ""]
+    intro = [INTRO, environment, ELSEWHERE, READING]
+    return table.page(
+        out / "benchmarks.md", "Benchmarks", intro, figures(results, out), sections, end
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from benchmarks import report
-
-    # Their own pages, each rate in its own processes.
-    shaped, nodes = "link" in args.only, "twonodes" in args.only
+    pages = [c for c in ("link", "twonodes") if c in args.only and args.device == "cpu"]
     args.only = [c for c in args.only if c not in ("link", "twonodes")]
     if args.only:
-        results = run(args)
-        report.print_tables(results)
+        results = measure(args)
+        table.console([*tables(results), table.targets(targets(results))])
         if not args.no_report:
-            paths = report.write(results, args.out)
-            print("wrote " + ", ".join(str(p) for p in paths))
-    if shaped and args.device == "cpu":
-        link_args = ["--out", str(args.out), *(["--smoke"] if args.smoke else [])]
-        link_args += [f"--steps={args.steps}", f"--warmup={args.warmup}"] if args.smoke else []
-        link.main(link_args)
-    if nodes and args.device == "cpu":
-        nodes_args = ["--out", str(args.out), *(["--smoke"] if args.smoke else [])]
-        nodes_args += [f"--steps={args.steps}", f"--warmup={args.warmup}"] if args.smoke else []
-        twonodes.main(nodes_args)  # says so and skips where twonodes cannot make two nodes
+            print("wrote " + ", ".join(map(str, write(results, args.out))))
+    common = ["--out", str(args.out)]
+    if args.smoke:
+        common += ["--smoke", f"--rounds={args.rounds}", f"--steps={args.steps}"]
+        common += [f"--warmup={args.warmup}"]
+    for page in pages:  # each says so and skips what it cannot run
+        {"link": link, "twonodes": twonodes}[page].main(common)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks import run  # this module by name, so that its builders pickle
+
+    sys.exit(run.main())

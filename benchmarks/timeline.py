@@ -1,16 +1,17 @@
 """When each bucket leaves, eagerly: DDP beside ``fsync.grad_and_value``, one call at a time.
 
 The step pages give step times; this gives what bounds them on a slow link. Each
-rank records, for every call of each setting (the settings taking turns), when the
-forward pass ended, when each bucket's all-reduce was issued and when the call
-returned, all relative to the call's start, and prints the medians. Both settings
-issue through a hook that records the time and then runs the plain mean (DDP: a comm
-hook, all-reduce then divide; fsync: a bucketwise [fsync.Hook][] around
+setting runs in a 2-rank world of its own, the two taking turns
+(:mod:`benchmarks.harness`); each rank records, for every call, when the forward pass
+ended, when each bucket's all-reduce was issued and when the call returned, all
+relative to the call's start, and the page prints the medians over the timed calls.
+Both settings issue through a hook that records the time and then runs the plain mean
+(DDP: a comm hook, all-reduce then divide; fsync: a bucketwise [fsync.Hook][] around
 ``fsync.ops.allreduce()``), so both lose the fused ``1/world_size`` of their default
 and are compared on equal terms. Run it under the link it is about::
 
-    ../shared/tools/slownet --rate 8gbit -- torchrun --standalone --nproc-per-node 2 \\
-        benchmarks/timeline.py --workload "deep MLP" --batch 64
+    ../shared/tools/slownet --rate 8gbit -- python -m benchmarks.timeline \\
+        --workload "deep MLP" --batch 64
 
 When the link is the bottleneck, the buckets queue behind each other on it from the
 first one on, and a step ends when the last has crossed: its time is when the first
@@ -22,25 +23,28 @@ tells two settings apart.
 from __future__ import annotations
 
 import argparse
-import copy
 import pathlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
+
+if not __package__:  # run as a script: the repository first, not benchmarks/
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import fsync  # noqa: E402
-from benchmarks import cases, link  # noqa: E402
+import fsync
+from benchmarks import harness, table
+from benchmarks.constants import CAP_MB
+from benchmarks.harness import Built
+from benchmarks.models import Load
+from benchmarks.steps import setting
 
 COLUMNS = ("forward done", "first bucket issued", "last bucket issued", "returned")
+SETTINGS = ("DDP eager", "fsync.grad_and_value")
 
 
 class Clock:
@@ -51,80 +55,75 @@ class Clock:
         self.events: dict[str, list[float]] = {}
         self.calls: list[dict[str, list[float]]] = []
 
-    def begin(self) -> None:
-        self.start, self.events = time.perf_counter(), {}
-
     def mark(self, event: str) -> None:
         self.events.setdefault(event, []).append(1000 * (time.perf_counter() - self.start))
 
-    def end(self) -> None:
-        self.mark("returned")
-        self.calls.append(self.events)
+    def timed(self, call: Any) -> Any:
+        """``call`` with its events recorded: the clock starts with it, ``returned`` ends it."""
+
+        def run() -> None:
+            self.start, self.events = time.perf_counter(), {}
+            call()
+            self.mark("returned")
+            self.calls.append(self.events)
+
+        return run
 
     def medians(self, skip: int) -> list[float]:
         """Per column, the median over the calls after the first ``skip``."""
-        calls = self.calls[skip:]
         picks = {
             "forward done": lambda e: e["forward done"][0],
             "first bucket issued": lambda e: e["issued"][0],
             "last bucket issued": lambda e: e["issued"][-1],
             "returned": lambda e: e["returned"][0],
         }
-        return [statistics.median(picks[c](e) for e in calls) for c in COLUMNS]
+        return [statistics.median(picks[c](e) for e in self.calls[skip:]) for c in COLUMNS]
 
 
-def _ddp_call(work: Any, batch: Any, clock: Clock) -> Callable[[], None]:
-    ddp = DDP(copy.deepcopy(work.model), bucket_cap_mb=link.CAP_MB)
-    world = dist.get_world_size()
+def recorded(load: Load, name: str, warmup: int) -> Built:
+    """``name``'s gradient call on ``load``, its events recorded; ``info``: the medians."""
+    work, clock = load.build(), Clock()
+    batch = work.batch(dist.get_rank())
+    if name == "DDP eager":
+        ddp = DDP(work.model, bucket_cap_mb=CAP_MB)
+        world = dist.get_world_size()
 
-    # Unannotated: DDP reads the annotations, which this module's postponed evaluation
-    # turns into strings it refuses.
-    def hook(state, bucket):  # type: ignore[no-untyped-def]
-        clock.mark("issued")
-        future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()  # type: ignore[union-attr]
-        return future.then(lambda f: f.value()[0].div_(world))
+        # Unannotated: DDP reads the annotations, which this module's postponed evaluation
+        # turns into strings it refuses.
+        def hook(state, bucket):  # type: ignore[no-untyped-def]
+            clock.mark("issued")
+            future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+            return future.then(lambda f: f.value()[0].div_(world))
 
-    ddp.register_comm_hook(None, hook)
+        ddp.register_comm_hook(None, hook)
 
-    def call() -> None:
-        ddp.zero_grad(set_to_none=True)
-        loss = work.criterion(ddp(batch[0]), batch[1])
-        clock.mark("forward done")
-        loss.backward()
+        def call() -> None:
+            ddp.zero_grad(set_to_none=True)
+            loss = work.loss(ddp, batch)
+            clock.mark("forward done")
+            torch.autograd.backward(loss)
 
-    return call
+    else:
+        mean = fsync.ops.allreduce()
 
+        def apply(buckets: Any, state: Any, ctx: fsync.SyncContext) -> Any:
+            clock.mark("issued")
+            return mean.apply(buckets, state, ctx)
 
-def _fsync_call(work: Any, batch: Any, clock: Clock) -> Callable[[], None]:
-    mean = fsync.ops.allreduce()
+        fsync_hook = fsync.Hook(mean.init, apply, spec="recorded allreduce(mean)", bucketwise=True)
 
-    def apply(buckets: Any, state: Any, ctx: fsync.SyncContext) -> Any:
-        clock.mark("issued")
-        return mean.apply(buckets, state, ctx)
+        def loss(params: Any, batch: Any) -> torch.Tensor:
+            value = work.functional_loss(params, batch)
+            clock.mark("forward done")
+            return value
 
-    hook = fsync.Hook(mean.init, apply, spec="recorded allreduce(mean)", bucketwise=True)
+        grad = fsync.grad_and_value(loss, hook=fsync_hook, bucket_cap_mb=CAP_MB)
+        params = work.params()
 
-    def loss(params: Any, batch: Any) -> torch.Tensor:
-        value = work.functional_loss(params, batch)
-        clock.mark("forward done")
-        return value
+        def call() -> None:
+            grad(params, batch)
 
-    grad = fsync.grad_and_value(loss, hook=hook, bucket_cap_mb=link.CAP_MB)
-    params = work.params()
-
-    def call() -> None:
-        grad(params, batch)
-
-    return call
-
-
-def _timed(call: Callable[[], None], clock: Clock) -> Callable[[], None]:
-    def timed() -> None:
-        clock.begin()
-        call()
-        clock.end()
-
-    return timed
+    return Built(clock.timed(call), lambda: {"medians": clock.medians(skip=warmup)})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,30 +133,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed calls of each setting")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (the test)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    work = link.workload(args.workload, args.batch, args.smoke)
-    batch = work.batch(rank)
-    clocks = {"DDP eager": Clock(), "fsync.grad_and_value": Clock()}
-    makers = {"DDP eager": _ddp_call, "fsync.grad_and_value": _fsync_call}
-    calls = {
-        name: _timed(makers[name](work, batch, clock), clock) for name, clock in clocks.items()
-    }
-    warmup = 3
-    cases.interleaved_ms(calls, warmup=warmup, steps=args.steps, per_round=2)
-    mine = torch.tensor([clock.medians(skip=warmup) for clock in clocks.values()])
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)
-    if rank == 0:
-        print(f"{args.workload}, batch {args.batch}, {world} ranks (ms since the call began)")
-        print("| setting | rank | " + " | ".join(COLUMNS) + " |")
-        print("|---" * (len(COLUMNS) + 2) + "|")
-        for r, rows in enumerate(every):
-            for name, row in zip(clocks, rows.tolist(), strict=True):
-                print(f"| {name} | {r} | " + " | ".join(f"{x:.1f}" for x in row) + " |")
-    cases.leave_group()
+    load, warmup = Load(args.workload, args.batch, args.smoke), 3
+    settings = [setting(n, recorded, load=load, name=n, warmup=warmup) for n in SETTINGS]
+    row = harness.turns(settings, rounds=max(1, args.steps // 2), steps=2, warmup=warmup)
+    assert row is not None  # one node: this one
+    print(f"{args.workload}, batch {args.batch}, 2 ranks (ms since the call began)")
+    cells = [
+        [name, str(rank), *map(table.ms, info["medians"])]
+        for name, infos in row["info"].items()
+        for rank, info in enumerate(infos)
+    ]
+    print(table.markdown(["setting", "rank", *COLUMNS], cells))
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks import timeline  # this module by name, so that its builders pickle
+
+    timeline.main()

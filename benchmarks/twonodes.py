@@ -1,92 +1,58 @@
-"""The hierarchical mean on two nodes: ``python benchmarks/run.py --only twonodes``.
+"""The hierarchical mean on two nodes: ``python -m benchmarks.twonodes`` (as root).
 
-A 2-D mesh pays where the link between nodes is slower than the links within
-one, which one shaped loopback cannot show (every byte of it is as slow as
-every other). ``../shared/tools/twonodes`` (or ``--twonodes PATH``; it needs
-root) makes two network namespaces, each with its own fast loopback, joined by
-a cable shaped to a rate. For each rate (10, 4 and 1 Gbit/s) this module
-re-runs itself on both nodes as ``torchrun --nnodes 2 --nproc-per-node 2``
-(``--child RATE``: 4 ranks as a 2 x 2 mesh, dims ``("node", "local")``); rank 0
-writes its results as JSON to a path on the filesystem the nodes share, and the
-parent writes ``docs/benchmarks-twonodes.md`` and one figure per question
-(:mod:`benchmarks.twonodes_report`). Where ``twonodes`` cannot make its
-namespaces (exit status 3: not root) the section says so and is skipped.
-``--smoke`` runs tiny sizes in one world of 4 ranks on this machine's loopback
-(``--rates local``), without ``twonodes`` (what CI runs); ``--smoke --rates 1gbit``
-runs the tiny sizes on two nodes.
+A 2-D mesh pays where the link between nodes is slower than the links within one, which
+one shaped loopback cannot show. ``../shared/tools/twonodes`` (as root) makes two network
+namespaces, each with its own fast loopback, joined by a cable shaped to a rate. For each
+rate (10, 4 and 1 Gbit/s) this page runs itself once on each node (``--node``): each node
+forks its two ranks of every setting's world of 2 x 2 (:mod:`benchmarks.harness`), node 0
+gives the turns and writes JSON to a path both nodes share; the parent writes
+``docs/benchmarks-twonodes.md`` and its figures. What each rate measures is in
+:func:`sync_alone` and :func:`gpt_step`, the method in the page's :data:`READING`. Where
+``twonodes`` cannot make its namespaces (exit 3: not root) the page says so and is skipped.
+``--smoke`` runs tiny sizes in worlds of 4 ranks on this machine's loopback (``--rates
+local``, what CI runs); ``--smoke --rates 1gbit`` runs them on two nodes. By hand, one
+rate, as the parent launches it (from the repository root)::
 
-By hand, one rate, as the parent launches it (from the repository root)::
-
-    ../shared/tools/twonodes --rate 1gbit -- 'torchrun --nnodes 2 --node-rank $NODE_RANK \\
-        --nproc-per-node 2 --master-addr $MASTER_ADDR --master-port 29500 \\
-        benchmarks/twonodes.py --child 1gbit --json /tmp/1gbit.json'
-
-What each rate measures, with 4 MiB buckets throughout (fsync and DDP alike):
-
-1. the sync alone, on a tree of 20 MiB in 12 leaves and on the benchmark GPT's
-   gradients (21M parameters, 80 MiB): one ``dist.all_reduce`` of a flat tensor
-   of all the bytes over the 4 ranks (the flat floor), ``fsync.sync_grads`` over
-   the default group, and ``sync_grads(group=mesh)`` eager, under
-   ``fsync.compile``, with ``bf16_compress()`` and with
-   ``batched_powersgd(4, start_step=0)`` across nodes (the last through
-   ``GradSync``, which threads its state); the median of ``--steps`` calls;
-2. the GPT's training step (batch 4 sequences of 64 tokens per rank, SGD): DDP
-   eager, ``fsync.grad_and_value`` over the default group (flat), and over the
-   mesh eager, compiled (``fsync.compile`` of the whole step) and with bf16
-   across nodes; ``DeferredSync`` over 4 micro-batches of 1 sequence (``add``
-   each, ``finish`` once) against DDP with ``no_sync`` over the same 4; and
-   ``fsync.diloco(8, group=mesh, hook=bf16_compress())`` after a compiled local
-   step. The settings take turns, a whole round of H = 8 steps each (DiLoCo syncs
-   once a round), ``--rounds`` times; a step's figure is the median of its rounds'
-   means, after a warm-up (a whole round for DiLoCo). The sync alone's settings
-   take turns two calls at a time, the same way.
-
-Beside each time, what crosses nodes per rank per step, from
-[fsync.sync_stats][] with ``world_size=(2, 2)`` (``bytes_on(0)``; a flat
-all-reduce's bytes all count, as its ring crosses the node boundary), and what
-that puts on each direction of the cable in a ring model: a ring all-reduce of
-``B`` bytes over ``N`` ranks sends ``2 (N - 1) / N * B`` over each of its
-links; the flat ring crosses the cable once each way, the hierarchical
-cross-node hop is ``local`` rings of two, all on the cable.
+    ../shared/tools/twonodes --rate 1gbit -- \\
+        'python -m benchmarks.twonodes --node --rate 1gbit --json /tmp/1gbit.json'
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import datetime
 import json
 import os
 import pathlib
-import shlex
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
+
+if not __package__:  # run as a script: the repository first, not benchmarks/
+    sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import fsync  # noqa: E402
-from benchmarks import cases, link, models  # noqa: E402
+import fsync
+from benchmarks import harness, plot, table
+from benchmarks.constants import CAP_MB, DOCS, LR, TOOLS
+from benchmarks.harness import Row, Spread
+from benchmarks.models import Load
+from benchmarks.steps import Held, setting
 
 RATES = ("10gbit", "4gbit", "1gbit")
-SMOKE_RATE = "local"  # --smoke: one 4-rank world on this machine's loopback
-TWONODES = ROOT.parent / "shared" / "tools" / "twonodes"
+SMOKE_RATE = "local"  # --smoke: worlds of 4 ranks on this machine's loopback
 NODES, LOCAL = 2, 2
-CAP_MB = link.CAP_MB
-INNER_STEPS = 8  # DiLoCo's H, and the round every step time is averaged over
+PORT = 29500  # node 0's store; one more for each round of turns
+INNER_STEPS = 8  # DiLoCo's H, and the steps of a turn
 MICRO_BATCHES = 4
 POWERSGD_RANK = 4
 TREE = "20 MiB in 12 leaves"
 GPT = "GPT"
+MiB = 2**20
 # 1. The sync alone, on each tree.
 FLAT = "flat all-reduce of all the bytes (dist.all_reduce, 4 ranks)"
 SYNC_FLAT = "sync_grads, flat (default group)"
@@ -116,32 +82,32 @@ STEP_SETTINGS = (
 )
 # The settings whose cross-node traffic is one flat all-reduce over all ranks.
 FLAT_SETTINGS = (FLAT, SYNC_FLAT, DDP_EAGER, STEP_FLAT, DDP_NO_SYNC)
+# The cable's floors for the hierarchical mean on 2 x 2 against the flat ring (ring model):
+# S of 1.5 S in fp32, S / 2 of 1.5 S with bf16 across nodes.
+FLOORS = {"fp32 across nodes: 2/3": 2 / 3, "bf16 across nodes: 1/3": 1 / 3}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--child", metavar="RATE", help="measure at one rate (run by torchrun)")
+    parser.add_argument("--node", action="store_true", help="run one node's ranks (in twonodes)")
+    parser.add_argument("--rate", help="--node: the rate it runs at, or local")
     parser.add_argument(
         "--rates",
         default=None,
-        help=f"comma-separated, of {RATES}, or {SMOKE_RATE!r}: one 4-rank world on this "
-        f"machine, without twonodes (default: all of them; {SMOKE_RATE!r} with --smoke)",
+        help=f"comma-separated, of {RATES}, or {SMOKE_RATE!r}: 4 ranks on this machine, "
+        f"without twonodes (default: all of them; {SMOKE_RATE!r} with --smoke)",
     )
-    parser.add_argument("--twonodes", type=pathlib.Path, default=TWONODES)
+    parser.add_argument("--twonodes", type=pathlib.Path, default=TOOLS / "twonodes")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (and --rates local)")
-    parser.add_argument("--steps", type=int, default=12, help="timed calls of a sync alone")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument(
-        "--rounds", type=int, default=None, help=f"timed rounds of {INNER_STEPS} (3; smoke: 1)"
-    )
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs")
-    parser.add_argument("--json", type=pathlib.Path, help="child: where rank 0 writes results")
-    args = parser.parse_args(argv)
-    args.rounds = args.rounds or (1 if args.smoke else 3)
-    return args
+    parser.add_argument("--rounds", type=int, default=6, help="turns of the sync alone")
+    parser.add_argument("--steps", type=int, default=2, help="calls per turn of the sync alone")
+    parser.add_argument("--warmup", type=int, default=3, help="calls before a sync's turns")
+    parser.add_argument("--out", type=pathlib.Path, default=DOCS)
+    parser.add_argument("--json", type=pathlib.Path, help="--node: where node 0 writes results")
+    return parser.parse_args(argv)
 
 
-# --- what crosses nodes ------------------------------------------------------------------------
+# --- what crosses nodes ----------------------------------------------------------------------
 
 
 def cable_bytes(cross: float, flat: bool) -> float:
@@ -158,18 +124,23 @@ def cable_bytes(cross: float, flat: bool) -> float:
     return (1 if flat else LOCAL) * 2 * (n - 1) / n * cross
 
 
-def _cross(tree: Any, setting: str, **options: Any) -> dict[str, float]:
-    """``{"cross": bytes per rank, "cable": bytes each way}`` of one step of ``setting``."""
-    if setting in FLAT_SETTINGS:  # one all-reduce of every byte, all of it across
+def crossing(tree: dict[str, torch.Tensor], name: str) -> dict[str, float]:
+    """``{"cross": bytes per rank, "cable": bytes each way}`` of one call or step of ``name``."""
+    hook = fsync.ops.bf16_compress() if "bf16" in name else None
+    hook = _powersgd() if name == HIER_POWERSGD else hook
+    if name in FLAT_SETTINGS:  # one all-reduce of every byte, all of it across
         cross = float(sum(t.numel() * t.element_size() for t in tree.values()))
     else:
+        micro = MICRO_BATCHES if name == DEFERRED else 0
         shape = (NODES, LOCAL)
-        stats = fsync.sync_stats(tree, world_size=shape, bucket_cap_mb=CAP_MB, **options)
-        cross = float(stats.bytes_on(0))
-    return {"cross": cross, "cable": cable_bytes(cross, setting in FLAT_SETTINGS)}
+        stats = fsync.sync_stats(
+            tree, world_size=shape, micro_batches=micro, hook=hook, bucket_cap_mb=CAP_MB
+        )
+        cross = float(stats.bytes_on(0)) / (INNER_STEPS if name == DILOCO else 1)
+    return {"cross": cross, "cable": cable_bytes(cross, name in FLAT_SETTINGS)}
 
 
-# --- the workloads -----------------------------------------------------------------------------
+# --- the workloads and settings, built in the settings' processes ---------------------------
 
 
 def tree_20mib(rank: int, smoke: bool) -> dict[str, torch.Tensor]:
@@ -183,247 +154,380 @@ def tree_20mib(rank: int, smoke: bool) -> dict[str, torch.Tensor]:
     }
 
 
-def gpt(smoke: bool) -> models.Workload:
+def gpt(smoke: bool) -> Load:
     """The benchmark GPT, batch 4 sequences of 64 tokens (a smoke run: 1 layer, narrow)."""
-    if smoke:
-        return models.gpt(n_layer=1, scale=1 / 8, vocab_size=256, block_size=16)
-    return models.gpt(block_size=link.GPT_BLOCK, batch=MICRO_BATCHES)
+    return Load("GPT", 4 * 64, smoke)
 
 
-# --- 1. the sync alone -------------------------------------------------------------------------
+def _mesh() -> DeviceMesh:
+    return init_device_mesh("cpu", (NODES, LOCAL), mesh_dim_names=("node", "local"))
 
 
-def sync_alone(
-    grads: dict[str, torch.Tensor], mesh: DeviceMesh, timing: dict[str, int]
-) -> dict[str, dict[str, float]]:
-    """The median ms of each sync setting on ``grads``, with its cross-node bytes."""
-    torch._dynamo.reset()
-    options: dict[str, Any] = {"bucket_cap_mb": CAP_MB}
-    flat = torch.cat([g.reshape(-1) for g in grads.values()])
-    bf16 = fsync.ops.bf16_compress()
-    powersgd = fsync.ops.batched_powersgd(POWERSGD_RANK, start_step=0)
-    compiled = fsync.compile(lambda g: fsync.sync_grads(g, group=mesh, **options))
-    stateful = fsync.GradSync(group=mesh, hook=powersgd, **options)
-    held = {"state": stateful.init(grads)}
-    calls: dict[str, Callable[[], Any]] = {
-        FLAT: lambda: dist.all_reduce(flat),
-        SYNC_FLAT: lambda: fsync.sync_grads(grads, **options),
-        HIER: lambda: fsync.sync_grads(grads, group=mesh, **options),
-        HIER_COMPILED: lambda: compiled(grads),
-        HIER_BF16: lambda: fsync.sync_grads(grads, group=mesh, hook=bf16, **options),
-        HIER_POWERSGD: cases._stateful(stateful, grads, held),
-    }
-    hooks = {HIER_BF16: bf16, HIER_POWERSGD: powersgd}
-    times = cases.interleaved_ms(calls, **timing)
-    return {
-        name: {
-            "ms": times[name],
-            **_cross(grads, name, **({"hook": hooks[name]} if name in hooks else {})),
-        }
-        for name in calls
-    }
+def _powersgd() -> fsync.Hook:
+    return fsync.ops.batched_powersgd(POWERSGD_RANK, start_step=0)
 
 
-# --- 2. the GPT's step -------------------------------------------------------------------------
+def sync_alone(tree: str, smoke: bool, name: str) -> Callable[[], object]:
+    """One setting of the sync alone on ``tree``: 20 MiB in 12 leaves (:data:`TREE`) or the
+    GPT's gradients (21M parameters, 80 MiB): a flat ``dist.all_reduce`` of all the bytes
+    over the 4 ranks (the floor), ``sync_grads`` over the default group, and over the mesh
+    eager, under ``fsync.compile``, with ``bf16_compress()`` and with
+    ``batched_powersgd(4, start_step=0)`` across nodes (through ``GradSync``, which threads
+    its state); 4 MiB buckets."""
+    mesh, rank = _mesh(), dist.get_rank()
+    if tree == TREE:
+        grads = tree_20mib(rank, smoke)
+    else:
+        work = gpt(smoke).build()
+        grads = torch.func.grad(work.functional_loss)(work.params(), work.batch(rank))
+    if name == FLAT:
+        flat = torch.cat([g.reshape(-1) for g in grads.values()])
+        return lambda: dist.all_reduce(flat)
+    if name == HIER_COMPILED:
+
+        def hierarchical(g: dict[str, torch.Tensor]) -> Any:
+            return fsync.sync_grads(g, group=mesh, bucket_cap_mb=CAP_MB)
+
+        compiled = fsync.compile(hierarchical)
+        return lambda: compiled(grads)
+    if name == HIER_POWERSGD:
+        sync = fsync.GradSync(group=mesh, hook=_powersgd(), bucket_cap_mb=CAP_MB)
+        return Held(lambda g, state: (g, sync(g, state)[1]), grads, sync.init(grads))
+    group = None if name == SYNC_FLAT else mesh
+    hook = fsync.ops.bf16_compress() if name == HIER_BF16 else None
+    return lambda: fsync.sync_grads(grads, group=group, hook=hook, bucket_cap_mb=CAP_MB)
 
 
-def gpt_steps(
-    work: models.Workload, mesh: DeviceMesh, warmup: int, rounds: int
-) -> dict[str, dict[str, float]]:
-    """Each step setting's mean ms on the GPT, with its cross-node bytes per step."""
-    torch._dynamo.reset()
+def gpt_step(smoke: bool, name: str) -> Callable[[], None]:
+    """One setting of the GPT's training step (batch 4 sequences of 64 tokens per rank,
+    SGD): DDP eager, ``fsync.grad_and_value`` over the default group, over the mesh eager,
+    compiled and with bf16 across nodes; ``DeferredSync`` over 4 micro-batches of one
+    sequence against DDP's ``no_sync`` over the same; ``fsync.diloco(8, bf16)`` after a
+    compiled local step; 4 MiB buckets."""
+    work, mesh = gpt(smoke).build(), _mesh()
     batch = work.batch(dist.get_rank())
     micro = [tuple(t[i : i + 1] for t in batch) for i in range(MICRO_BATCHES)]
-    options: dict[str, Any] = {"bucket_cap_mb": CAP_MB}
-    bf16 = fsync.ops.bf16_compress()
-    optimizer = fsync.optim.sgd(cases.LR)
+    optimizer = fsync.optim.sgd(LR)
+    params = work.params()
+    if name in (DDP_EAGER, DDP_NO_SYNC):
+        ddp = DDP(work.model, bucket_cap_mb=CAP_MB)
+        ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
 
-    ddp = DDP(copy.deepcopy(work.model), bucket_cap_mb=CAP_MB)
-    ddp_optimizer = torch.optim.SGD(ddp.parameters(), lr=cases.LR)
+        def ddp_step() -> None:  # no_sync: DDP's accumulation, all the gradients across
+            ddp_optimizer.zero_grad(set_to_none=True)
+            with ddp.no_sync():
+                for m in micro[:-1] if name == DDP_NO_SYNC else []:
+                    torch.autograd.backward(work.loss(ddp, m) / MICRO_BATCHES)
+            last = (micro[-1], MICRO_BATCHES) if name == DDP_NO_SYNC else (batch, 1)
+            torch.autograd.backward(work.loss(ddp, last[0]) / last[1])
+            ddp_optimizer.step()
 
-    def ddp_step() -> None:
-        ddp_optimizer.zero_grad(set_to_none=True)
-        work.loss(ddp, batch).backward()
-        ddp_optimizer.step()
+        return ddp_step
+    local_grad = torch.func.grad(work.functional_loss)
+    if name == DEFERRED:  # within the node per micro-batch, across once per step
+        deferred = fsync.DeferredSync(group=mesh, bucket_cap_mb=CAP_MB)
 
-    def ddp_no_sync() -> None:  # DDP's accumulation: all the gradients, all of them across
-        ddp_optimizer.zero_grad(set_to_none=True)
-        with ddp.no_sync():
-            for m in micro[:-1]:
-                (work.loss(ddp, m) / MICRO_BATCHES).backward()
-        (work.loss(ddp, micro[-1]) / MICRO_BATCHES).backward()
-        ddp_optimizer.step()
+        def deferred_step(p: Any, state: Any) -> Any:
+            opt, sync = state
+            for m in micro:
+                sync = deferred.add(local_grad(p, m), sync)
+            grads, sync = deferred.finish(sync)
+            p, opt = optimizer.update(p, grads, opt)
+            return p, (opt, sync)
 
-    def functional(grad_and_value: Callable[..., Any]) -> Callable[..., Any]:
-        def step(params: dict[str, torch.Tensor], state: Any) -> Any:
-            grads, _ = grad_and_value(params, batch)
-            return optimizer.update(params, grads, state)
+        return Held(deferred_step, params, (optimizer.init(params), deferred.init(params)))
+    if name == DILOCO:
 
-        return step
+        def local_step(p: Any, opt: Any) -> Any:
+            return optimizer.update(p, local_grad(p, batch), opt)
 
-    def synced(group: DeviceMesh | None, **hook: Any) -> Callable[..., Any]:
-        return functional(
-            fsync.grad_and_value(work.functional_loss, group=group, **options, **hook)
+        local = fsync.compile(local_step)
+        diloco = fsync.diloco(
+            INNER_STEPS, group=mesh, hook=fsync.ops.bf16_compress(), bucket_cap_mb=CAP_MB
         )
 
-    params = work.params()
-    deferred = fsync.DeferredSync(group=mesh, **options)
-    local_grad = torch.func.grad(work.functional_loss)
-    held = {"p": params, "o": optimizer.init(params), "s": deferred.init(params)}
+        def diloco_step(p: Any, state: Any) -> Any:
+            p, opt = local(p, state[0])
+            p, outer = diloco.update(p, state[1])
+            return p, (opt, outer)
 
-    def deferred_step() -> None:  # within the node per micro-batch, across once per step
-        state = held["s"]
-        for m in micro:
-            state = deferred.add(local_grad(held["p"], m), state)
-        grads, held["s"] = deferred.finish(state)
-        held["p"], held["o"] = optimizer.update(held["p"], grads, held["o"])
+        return Held(diloco_step, params, (optimizer.init(params), diloco.init(params)))
+    group = None if name == STEP_FLAT else mesh
+    hook = fsync.ops.bf16_compress() if name == STEP_BF16 else None
+    synced = fsync.grad_and_value(
+        work.functional_loss, group=group, hook=hook, bucket_cap_mb=CAP_MB
+    )
 
-    local = fsync.compile(functional(lambda p, b: (local_grad(p, b), None)))
-    diloco = fsync.diloco(INNER_STEPS, group=mesh, hook=bf16, **options)
-    outer = {"p": params, "o": optimizer.init(params), "d": diloco.init(params)}
+    def step(p: Any, opt: Any) -> Any:
+        return optimizer.update(p, synced(p, batch)[0], opt)
 
-    def diloco_step() -> None:
-        outer["p"], outer["o"] = local(outer["p"], outer["o"])
-        outer["p"], outer["d"] = diloco.update(outer["p"], outer["d"])
+    return Held(
+        fsync.compile(step) if name == STEP_HIER_COMPILED else step, params, optimizer.init(params)
+    )
 
-    steps: dict[str, tuple[Callable[[], None], dict[str, float]]] = {
-        DDP_EAGER: (ddp_step, _cross(params, DDP_EAGER)),
-        STEP_FLAT: (link._held(work, synced(None)), _cross(params, STEP_FLAT)),
-        STEP_HIER: (link._held(work, synced(mesh)), _cross(params, STEP_HIER)),
-        STEP_HIER_COMPILED: (
-            link._held(work, fsync.compile(synced(mesh))),
-            _cross(params, STEP_HIER_COMPILED),
-        ),
-        STEP_BF16: (
-            link._held(work, synced(mesh, hook=bf16)),
-            _cross(params, STEP_BF16, hook=bf16),
-        ),
-        DDP_NO_SYNC: (ddp_no_sync, _cross(params, DDP_NO_SYNC)),
-        DEFERRED: (deferred_step, _cross(params, DEFERRED, micro_batches=MICRO_BATCHES)),
-        DILOCO: (
-            diloco_step,
-            {k: v / INNER_STEPS for k, v in _cross(params, DILOCO, hook=bf16).items()},
-        ),
+
+# --- one node's processes, at one rate --------------------------------------------------------
+
+
+def node(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Runs this node's ranks of every world, in turns; node 0 returns the results."""
+    local = args.rate == SMOKE_RATE
+    rank = 0 if local else int(os.environ["NODE_RANK"])
+    host = "127.0.0.1" if local else os.environ["MASTER_ADDR"]
+
+    def turns(
+        k: int, settings: list[harness.Setting], rounds: int, steps: int, warmup: int
+    ) -> Row | None:
+        """The ``k``-th round of turns: on two nodes, its store on a port of its own."""
+        where = harness.Node(NODES, rank, LOCAL, host, PORT + k)
+        where = harness.Node(1, 0, NODES * LOCAL, host) if local else where
+        return harness.turns(settings, node=where, rounds=rounds, steps=steps, warmup=warmup)
+
+    sync = {
+        tree: turns(
+            k,
+            [setting(n, sync_alone, tree=tree, smoke=args.smoke, name=n) for n in SYNC_SETTINGS],
+            args.rounds,
+            args.steps,
+            args.warmup,
+        )
+        for k, tree in enumerate((TREE,) if args.smoke else (TREE, GPT))  # smoke: one path
     }
-    for name, (step, _) in steps.items():
-        started = time.perf_counter()
-        # DiLoCo's warm-up is a whole round, so that its first sync (and compilation) is in
-        # it and every timed block of INNER_STEPS calls holds one outer sync.
-        for _ in range(INNER_STEPS if name == DILOCO else warmup):
-            step()
-        if dist.get_rank() == 0:
-            seconds = time.perf_counter() - started
-            print(f"twonodes: GPT step, {name}: warmed up ({seconds:.0f} s)", flush=True)
-    calls = {name: step for name, (step, _) in steps.items()}
-    times = cases.interleaved_ms(calls, warmup=0, steps=rounds * INNER_STEPS, per_round=INNER_STEPS)
-    out = {name: {"ms": times[name], **cross} for name, (_, cross) in steps.items()}
-    return out
-
-
-# --- the child: one rate, 4 ranks --------------------------------------------------------------
-
-
-def child(args: argparse.Namespace) -> None:
-    """Measure at one rate, on every rank of the world torchrun started (2 nodes x 2)."""
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-    torch.set_num_threads(1)  # the ranks of a node share its cores
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    if dist.get_world_size() != NODES * LOCAL:
-        raise SystemExit(f"twonodes: needs {NODES} x {LOCAL} ranks; got {dist.get_world_size()}")
-    mesh = init_device_mesh("cpu", (NODES, LOCAL), mesh_dim_names=("node", "local"))
-    timing = {"warmup": args.warmup, "steps": args.steps}
-    work = gpt(args.smoke)
-    grads = torch.func.grad(work.functional_loss)(work.params(), work.batch(rank))
-    results: dict[str, Any] = {"sync": {}, "trees": {}}
-    for name, tree in ((TREE, tree_20mib(rank, args.smoke)), (GPT, grads)):
-        started = time.perf_counter()
-        results["sync"][name] = sync_alone(tree, mesh, timing)
-        results["trees"][name] = sum(t.numel() * t.element_size() for t in tree.values())
-        if rank == 0:
-            seconds = time.perf_counter() - started
-            print(f"twonodes {args.child}: the sync alone, {name} ({seconds:.0f} s)", flush=True)
-    results["step"] = gpt_steps(work, mesh, args.warmup, args.rounds)
-    if rank == 0:
-        assert args.json is not None
-        args.json.write_text(json.dumps(results))
-    cases.leave_group()
-
-
-# --- the parent: one launch per rate -----------------------------------------------------------
-
-
-def _launch(args: argparse.Namespace, rate: str, path: pathlib.Path) -> list[str]:
-    """The command that measures ``rate`` into ``path``: torchrun on both nodes under
-    ``twonodes``, or (smoke) one torchrun of 4 ranks here."""
-    script = [str(ROOT / "benchmarks" / "twonodes.py"), "--child", rate, "--json", str(path)]
-    script += [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--rounds={args.rounds}"]
-    script += ["--smoke"] if args.smoke else []
-    torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    if rate == SMOKE_RATE:
-        return [*torchrun, "--standalone", "--nproc-per-node", str(NODES * LOCAL), *script]
-    # One line, run by bash on each node, which expands $NODE_RANK and $MASTER_ADDR there.
-    nodes = f"--nnodes {NODES} --node-rank $NODE_RANK --nproc-per-node {LOCAL} "
-    nodes += "--master-addr $MASTER_ADDR --master-port 29500"
-    line = " ".join([*map(shlex.quote, torchrun), nodes, *map(shlex.quote, script)])
-    return [str(args.twonodes), "--rate", rate, "--", line]
+    # A turn is a round of DiLoCo (one outer sync); the warm-up one too, compiling in it.
+    step_settings = [setting(n, gpt_step, smoke=args.smoke, name=n) for n in STEP_SETTINGS]
+    step = turns(2, step_settings, max(1, args.rounds // 2), INNER_STEPS, INNER_STEPS)
+    if rank != 0:
+        return None
+    trees = {TREE: tree_20mib(0, args.smoke), GPT: gpt(args.smoke).build().params()}
+    return {
+        "sync": sync,
+        "step": step,
+        "trees": {
+            k: sum(t.numel() * t.element_size() for t in v.values()) for k, v in trees.items()
+        },
+        "bytes": {
+            **{tree: {n: crossing(trees[tree], n) for n in SYNC_SETTINGS} for tree in sync},
+            "step": {n: crossing(trees[GPT], n) for n in STEP_SETTINGS},
+        },
+    }
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any] | None:
     """Every rate, each in a fresh two-node launch; ``None`` where twonodes cannot run."""
     default = [SMOKE_RATE] if args.smoke else RATES
-    rates = [r for r in args.rates.split(",") if r] if args.rates else default
-    if any(r != SMOKE_RATE for r in rates) and not args.twonodes.exists():
-        print(f"twonodes: no {args.twonodes}; skipping the two-node benchmarks", flush=True)
-        return None
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fsync-twonodes-") as tmp:
-        env = {**os.environ, **cases.inductor_cache(tmp, args.smoke)}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        env.setdefault("OMP_NUM_THREADS", "1")
-        for rate in rates:
-            path = pathlib.Path(tmp) / f"{rate}.json"
-            started = time.perf_counter()
-            done = subprocess.run(_launch(args, rate, path), cwd=ROOT, env=env)
-            if done.returncode == 3 and rate != SMOKE_RATE:
-                print(
-                    "twonodes could not make two network namespaces (it needs root: ip netns "
-                    "and tc); skipping the two-node benchmarks. Run as root.",
-                    flush=True,
-                )
+        for rate in [r for r in args.rates.split(",") if r] if args.rates else default:
+            command = [sys.executable, "-m", "benchmarks.twonodes", "--node", "--rate", rate]
+            command += [f"--rounds={args.rounds}", f"--steps={args.steps}"]
+            command += [f"--warmup={args.warmup}", *(["--smoke"] if args.smoke else [])]
+            tool = None if rate == SMOKE_RATE else args.twonodes
+            env = {"OMP_NUM_THREADS": "1", **harness.inductor_cache(tmp, args.smoke)}
+            if (found := harness.at_rate(command, rate, tool, env)) is None:
                 return None
-            done.check_returncode()
-            results[rate] = json.loads(path.read_text())
-            seconds = time.perf_counter() - started
-            ratio = results[rate]["sync"][GPT][HIER]["ms"] / results[rate]["sync"][GPT][FLAT]["ms"]
-            print(
-                f"twonodes {rate} ({seconds:.0f} s): the GPT's sync, hierarchical eager, "
-                f"{ratio:.2f}x the flat all-reduce",
-                flush=True,
-            )
-    results["environment"] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
-        "fsync": fsync.__version__,
-        "cores": str(os.cpu_count()),
-        "sizes": "smoke (tiny)" if args.smoke else "full",
-    }
+            results[rate] = found
+    results["environment"] = table.environment(sizes="smoke (tiny)" if args.smoke else "full")
     return results
+
+
+# --- the page ---------------------------------------------------------------------------------
+
+
+def label(rate: str) -> str:
+    """``"1gbit"`` -> ``"1 Gbit/s"``; the smoke run's ``"local"`` says what it was."""
+    return rate.replace("gbit", " Gbit/s") if rate.endswith("gbit") else f"{rate} (one loopback)"
+
+
+def rates(results: dict[str, Any]) -> list[str]:
+    """The rates measured, fastest first, as run."""
+    return [r for r in results if r != "environment"]
+
+
+def _row(results: dict[str, Any], rate: str, part: str, tree: str) -> Row:
+    at = results[rate][part]
+    return at[tree] if part == "sync" else at  # type: ignore[no-any-return]
+
+
+def ratio(results: dict[str, Any], rate: str, part: str, tree: str, name: str, base: str) -> Spread:
+    """``name``'s time over ``base``'s at ``rate`` in section ``part`` (``"sync"``, with
+    ``tree`` a tree, or ``"step"``, with ``tree`` ignored), round by round."""
+    return harness.ratio(_row(results, rate, part, tree), name, base)
+
+
+def targets(results: dict[str, Any]) -> list[table.Target]:
+    """(target, measured, met) for every target; met: the median; ``not run``: that rate."""
+
+    def check(
+        text: str, rate: str, part: str, tree: str, name: str, base: str, bound: float
+    ) -> table.Target:
+        s = ratio(results, rate, part, tree, name, base) if rate in results else None
+        return table.check(text, s, bound)
+
+    out = []
+    trees = [(TREE, f"sync alone, {TREE}"), (GPT, "sync alone, the GPT")]
+    for tree, what in trees:
+        for name, bound in ((HIER, 0.75), (HIER_COMPILED, 0.75), (HIER_BF16, 0.45)):
+            text = f"{what}: {name} <= {bound:.2f}x the flat all-reduce, 1 Gbit/s"
+            out.append(check(text, "1gbit", "sync", tree, name, FLAT, bound))
+    text = f"GPT step: {STEP_HIER_COMPILED} <= 0.80x DDP eager, 1 Gbit/s"
+    out.append(check(text, "1gbit", "step", GPT, STEP_HIER_COMPILED, DDP_EAGER, 0.80))
+    text = f"GPT step: fsync.diloco (H = {INNER_STEPS}) <= 0.25x DDP eager, 1 Gbit/s"
+    out.append(check(text, "1gbit", "step", GPT, DILOCO, DDP_EAGER, 0.25))
+    for tree, what in trees:  # at 10 Gbit/s: against fsync's own flat path, not the floor
+        text = f"{what}: hierarchical eager <= 1.05x sync_grads flat, 10 Gbit/s"
+        out.append(check(text, "10gbit", "sync", tree, HIER, SYNC_FLAT, 1.05))
+    text = "GPT step: grad_and_value hierarchical eager <= 1.05x flat eager, 10 Gbit/s"
+    return [*out, check(text, "10gbit", "step", GPT, STEP_HIER, STEP_FLAT, 1.05)]
+
+
+def _table(results: dict[str, Any], part: str, tree: str, base: str) -> list[list[str]]:
+    """Per setting: MiB across nodes per rank, the cable's floor relative to ``base``'s, and
+    per rate the ms and the ratio to ``base``."""
+    crossed = results[rates(results)[0]]["bytes"][tree if part == "sync" else "step"]
+    out = []
+    for name, cross in crossed.items():
+        cells = [
+            name,
+            f"{cross['cross'] / MiB:.2f}",
+            table.times(cross["cable"] / crossed[base]["cable"]),
+        ]
+        for rate in rates(results):
+            row = _row(results, rate, part, tree)
+            vs = table.spread(harness.ratio(row, name, base))
+            cells.append(f"{table.ms(harness.ms(row, name))} ({vs})")
+        out.append(cells)
+    return out
+
+
+def _header(results: dict[str, Any], base: str) -> list[str]:
+    return [
+        "",
+        "MiB across nodes per rank",
+        f"cable each way vs {base} (floor)",
+        *[f"{label(r)}: ms (vs {base})" for r in rates(results)],
+    ]
+
+
+def figures(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
+    """The sync alone relative to the flat all-reduce per rate and tree, the GPT's step
+    relative to DDP eager per rate, and the bytes each setting puts across nodes."""
+    if not rates(results):
+        return []
+    groups = [label(r) for r in rates(results)]
+
+    def floors(ax: Any) -> None:
+        for (name, floor), style in zip(FLOORS.items(), ("--", ":"), strict=True):
+            ax.axhline(
+                floor, color="grey", linestyle=style, linewidth=0.8, label=f"cable floor, {name}"
+            )
+        ax.axhline(1.0, color="black", linewidth=0.8)
+
+    def against(part: str, tree: str, base: str) -> Callable[[str, str], Spread]:
+        return lambda g, s: ratio(results, rates(results)[groups.index(g)], part, tree, s, base)
+
+    trees = list(results[rates(results)[0]]["sync"])
+    figure, axes = plot.figure(len(trees), size=(9, 4.2 * len(trees)))
+    for ax, tree in zip(axes, trees, strict=True):
+        plot.bars(ax, groups, list(SYNC_SETTINGS[1:]), against("sync", tree, FLAT))
+        floors(ax)
+        size = results[rates(results)[0]]["trees"][tree] / MiB
+        ax.set_ylabel("time / flat all-reduce's")
+        ax.set_title(
+            f"The sync alone, {tree} ({size:.1f} MiB): 2 nodes x 2 ranks (lower is better)"
+        )
+    axes[0].legend(fontsize=7, ncol=2)
+    paths = [plot.save(figure, out / "benchmarks-twonodes-sync.png")]
+    figure, (ax,) = plot.figure(size=(9, 4.8))
+    plot.bars(ax, groups, list(STEP_SETTINGS[1:]), against("step", GPT, DDP_EAGER))
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_ylabel("step / DDP eager's")
+    ax.set_title(
+        "The GPT's training step on 2 nodes x 2 ranks, relative to DDP eager (lower is better)"
+    )
+    ax.legend(fontsize=7, ncol=2)
+    paths.append(plot.save(figure, out / "benchmarks-twonodes-step.png"))
+    crossed = results[rates(results)[0]]["bytes"]["step"]
+    figure, (ax,) = plot.figure(size=(10, 0.4 * len(crossed) + 1.6))
+    values = [c["cable"] / crossed[DDP_EAGER]["cable"] for c in crossed.values()]
+    ax.barh(list(crossed), values, color=["grey", *[f"C{i}" for i in range(len(values) - 1)]])
+    for y, value in enumerate(values):
+        ax.annotate(f" {value:.2f}x", (value, y), va="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes on the cable per step, each way, relative to DDP's (ring model)")
+    ax.set_title("The GPT's step, 2 nodes x 2 ranks: what crosses nodes (lower is better)")
+    ax.invert_yaxis()
+    return [*paths, plot.save(figure, out / "benchmarks-twonodes-bytes.png")]
+
+
+READING = (
+    "Written by `python benchmarks/run.py --only twonodes` (as root; see "
+    "`benchmarks/twonodes.py`). "
+    f"Each rate ran as two nodes of {LOCAL} gloo ranks in two network namespaces made by "
+    "`../shared/tools/twonodes`, each node with its own fast loopback, joined by a cable shaped "
+    "to the rate; every setting ran in a world of its own, "
+    f"{NODES} nodes x {LOCAL} processes, a mesh "
+    f'`init_device_mesh("cpu", ({NODES}, {LOCAL}), mesh_dim_names=("node", "local"))`. '
+    "The settings took turns, world after world (`benchmarks/harness.py`): the sync alone "
+    f"two calls a turn, the step a whole round of H = {INNER_STEPS} steps a turn; a figure in "
+    "ms is the median over the rounds of a turn's time per call or step on rank 0, a ratio is "
+    "taken round by round and given as `median [lowest, highest]`; a target is judged on the "
+    f"median. Every setting uses {CAP_MB:g} MiB buckets (`bucket_cap_mb={CAP_MB:g}`, DDP and "
+    "fsync alike). *MiB across nodes per rank*: what each rank hands to collectives that cross "
+    "nodes per call or step, from `fsync.sync_stats(tree, world_size=(2, 2)).bytes_on(0)` (a "
+    "flat all-reduce's bytes all count). *Cable each way (floor)*: what that puts on each "
+    "direction of the cable in a ring model, relative to the flat ring's: a ring all-reduce of "
+    "B bytes over N ranks sends 2 (N - 1) / N * B on each link; the flat ring over 4 ranks "
+    "crosses the cable once each way (1.5 B), the hierarchical hop is 2 rings of 2 ranks, both "
+    "on the cable (2 x B, B half the flat one's): the least time a cable-bound sync can take, "
+    'as a share of the flat one\'s (`docs/hierarchical.md`, "When the hierarchical mean pays").'
+)
+NOT_RUN = "Not run yet: `python benchmarks/run.py --only twonodes` (as root) writes this page."
+STEP_NOTE = (
+    "The GPT: 6 layers, d_model 512, 21M parameters, batch 4 sequences of 64 tokens per rank, "
+    f"SGD. The accumulating settings split the same 4 sequences into {MICRO_BATCHES} "
+    "micro-batches of one (DDP: `no_sync` for the first three; `DeferredSync`: `add` each, "
+    "`finish` once), so that every step trains on the same tokens. DiLoCo's local steps are "
+    "one compiled `torch.func` step; its cross-node bytes are a bf16 sync's over "
+    f"H = {INNER_STEPS}."
+)
+
+
+def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
+    """``benchmarks-twonodes.md`` and its figures in ``out``."""
+    env = results.get("environment", {})
+    intro = [READING, table.markdown(["", ""], env.items()) if env else ""]
+    sections = [(table.targets(targets(results)), "")]
+    first = results[rates(results)[0]] if rates(results) else {"sync": {}}
+    for tree in first["sync"]:
+        title = f"The sync alone: {tree} ({first['trees'][tree] / MiB:.1f} MiB)"
+        rows = _table(results, "sync", tree, FLAT)
+        sections.append(((title, _header(results, "flat all-reduce"), rows), ""))
+    if rates(results):
+        rows = _table(results, "step", GPT, DDP_EAGER)
+        title = "The GPT's training step on 2 nodes x 2 ranks"
+        sections.append(((title, _header(results, "DDP eager"), rows), STEP_NOTE))
+    end = [] if rates(results) else [NOT_RUN, ""]
+    pngs = figures(results, out)
+    return table.page(
+        out / "benchmarks-twonodes.md", "Benchmarks on two nodes", intro, pngs, sections, end
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.child:
-        child(args)
+    if args.node:
+        results = node(args)
+        if results is not None:
+            assert args.json is not None
+            args.json.write_text(json.dumps(results))
         return 0
-    from benchmarks import twonodes_report
-
     results = measure(args)
     if results is not None:
-        paths = twonodes_report.write(results, args.out)
-        print("wrote " + ", ".join(str(p) for p in paths))
+        print("wrote " + ", ".join(map(str, write(results, args.out))))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from benchmarks import twonodes  # this module by name, so that its builders pickle
+
+    sys.exit(twonodes.main())

@@ -1,0 +1,22 @@
+"""What every page shares: the learning rate, the bucket size on a slow link, link rates.
+
+The bottom of ``benchmarks/``: it imports nothing of the package, and every other module
+may import it (workloads and the harness above it, pages on top).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+TOOLS = ROOT.parent / "shared" / "tools"  # slownet and twonodes
+
+LR = 1e-3
+CAP_MB = 4.0  # the bucket size of every setting on the slow-link and two-node pages
+GPT_BLOCK = 64  # tokens per GPT sequence: a batch of 256 tokens is 4 sequences
+
+
+def label(rate: str) -> str:
+    """A rate as a page prints it: ``"8gbit"`` -> ``"8 Gbit/s"``; ``"unshaped"`` stays."""
+    return rate.replace("gbit", " Gbit/s") if rate.endswith("gbit") else rate

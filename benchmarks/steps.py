@@ -1,0 +1,197 @@
+"""The training steps the pages time, each built inside a setting's own processes.
+
+Every builder runs on each rank of a world that :func:`benchmarks.harness.turns` made and
+returns what one call of the setting does: an autograd step on an ``nn.Module`` (alone or
+in DDP, eager or compiled), a ``torch.func`` step with fsync's sync or without, a flat
+all-reduce of the gradients' bytes. All of them train with SGD at ``LR``; a page picks them
+with ``functools.partial`` (:func:`setting`).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._inductor.utils import run_and_get_code
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fsync
+from benchmarks.constants import LR
+from benchmarks.harness import Built, Setting
+from benchmarks.models import Load
+from fsync import _agree
+from fsync._options import OptionKeywords
+
+FLAT = "flat all-reduce (floor)"
+PURE_MEAN = "scaled copy + flat all-reduce (pure mean)"
+
+
+def setting(name: str, build: Callable[..., Any], /, *, repeat: int = 1, **kwargs: Any) -> Setting:
+    """The setting ``name``, built by ``build(**kwargs)`` in its processes (``repeat``: see
+    :class:`benchmarks.harness.Setting`)."""
+    return Setting(name, functools.partial(build, **kwargs), repeat)
+
+
+class Held:
+    """``fn(params, state) -> (params, state)`` as a call that threads both from step to step."""
+
+    def __init__(self, fn: Callable[[Any, Any], tuple[Any, Any]], params: Any, state: Any) -> None:
+        self.fn, self.params, self.state = fn, params, state
+
+    def __call__(self) -> None:
+        self.params, self.state = self.fn(self.params, self.state)
+
+
+def _caps(cap: float | None) -> OptionKeywords:
+    """fsync's options for buckets of ``cap`` MiB (``None``: fsync's default)."""
+    return {} if cap is None else {"bucket_cap_mb": cap}
+
+
+def module(load: Load, *, ddp: bool, compiled: bool = False, cap: float | None = None) -> Built:
+    """An autograd step on the module, alone or wrapped in DDP, its forward eager or under
+    ``torch.compile``, with ``torch.optim.SGD``."""
+    work = load.build()
+    batch = work.batch(dist.get_rank())
+    model: torch.nn.Module = DDP(work.model, bucket_cap_mb=cap) if ddp else work.model
+    forward = torch.compile(model) if compiled else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        torch.autograd.backward(work.loss(forward, batch))
+        optimizer.step()
+
+    return Built(step, lambda: {"params": work.num_params})
+
+
+def functional(
+    load: Load,
+    *,
+    sync: str | None,
+    compiled: bool = False,
+    overlap: bool = True,
+    cap: float | None = None,
+) -> Built:
+    """A ``torch.func`` step with ``fsync.optim.sgd``.
+
+    ``sync``: ``None`` (no sync: the floor), ``"sync_grads"`` (after
+    ``torch.func.grad_and_value`` returns) or ``"grad_and_value"`` (``fsync.grad_and_value``,
+    which starts each bucket's all-reduce as backward completes it). Compiled, the step is
+    ``fsync.compile(step, overlap=overlap)``; a compiled sync's ``info`` counts its
+    collectives and the compute kernels launched while one is in flight
+    (:func:`overlapped_kernels`), read off inductor's code as it compiles.
+    """
+    work = load.build()
+    batch = work.batch(dist.get_rank())
+    optimizer = fsync.optim.sgd(LR)
+    synced = fsync.grad_and_value(work.functional_loss, **_caps(cap))
+
+    def train(params: dict[str, torch.Tensor], state: Any) -> Any:
+        if sync == "grad_and_value":
+            grads, _ = synced(params, batch)
+        else:
+            grads, _ = torch.func.grad_and_value(work.functional_loss)(params, batch)
+            if sync == "sync_grads":
+                grads = fsync.sync_grads(grads, **_caps(cap))
+        return optimizer.update(params, grads, state)
+
+    params = work.params()
+    fn = fsync.compile(train, overlap=overlap) if compiled else train
+    step = Held(fn, params, optimizer.init(params))
+    if not (compiled and sync):
+        return Built(step)
+    _, code = run_and_get_code(step)  # compiles: the first warm-up step, its code kept
+    counts = overlapped_kernels(code[-1])
+    return Built(step, lambda: {"collectives": counts[0], "overlapped": counts[1]})
+
+
+def ceiling(load: Load) -> Callable[[], None]:
+    """The flat all-reduce issued before the compiled compute and waited for after it: the
+    most overlap any schedule that waits for gradients could reach."""
+    flat = torch.cat([p.detach().reshape(-1) for p in load.build().model.parameters()])
+    compute = functional(load, sync=None, compiled=True).step
+
+    def step() -> None:
+        pending = dist.all_reduce(flat, async_op=True)
+        compute()
+        assert pending is not None
+        pending.wait()
+
+    return step
+
+
+def sync_alone(load: Load, how: str, cap: float | None = None) -> Built:
+    """``sync_grads`` of the model's gradient tree (``how``: eager, or compiled three ways),
+    or one flat all-reduce of its bytes (``FLAT``), or a scaled copy and that (``PURE_MEAN``)."""
+    work = load.build()
+    grads = torch.func.grad(work.functional_loss)(work.params(), work.batch(dist.get_rank()))
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    calls: dict[str, Callable[[], object]] = {
+        FLAT: lambda: dist.all_reduce(flat),
+        # The least a mean that leaves its input alone can do: one scaled copy, then the
+        # all-reduce (fsync's compiled sync is this plus the packing, fused into the copy).
+        PURE_MEAN: lambda: dist.all_reduce(flat.mul(1 / dist.get_world_size())),
+        "sync_grads eager": lambda: fsync.sync_grads(grads, **_caps(cap)),
+    }
+    sync: Callable[[Any], Any] = lambda g: fsync.sync_grads(g, **_caps(cap))  # noqa: E731
+    compiled = {  # plain torch.compile, then fsync.compile's two additions one at a time
+        "sync_grads torch.compile": torch.compile(sync, fullgraph=True),
+        "sync_grads fsync.compile, overlap off": fsync.compile(sync, overlap=False),
+        "sync_grads compiled": fsync.compile(sync),  # the default: overlap=True
+    }
+    if how in compiled:  # compiling is lazy: only this one compiles, at its first call
+        calls[how] = lambda: compiled[how](grads)
+    nbytes = flat.numel() * flat.element_size()
+    return Built(calls[how], lambda: {"bytes": nbytes})
+
+
+def agreement(load: Load) -> Callable[[], object]:
+    """What every sync adds to be safe: the ranks' agreement alone (one all-reduce of 13
+    int64 and its check), nothing packed meanwhile."""
+    params = load.build().params()
+    plan, leaves = fsync.plan_buckets(params), list(params.values())
+    terms = _agree.Terms(fsync.ops.allreduce().spec)
+    return lambda: _agree.agree_on(plan, leaves, None, terms, pack=lambda token: [])
+
+
+# --- reading inductor's code ----------------------------------------------------------------
+
+_ISSUE = re.compile(
+    r"_c10d_functional\.(?:all_reduce_|all_reduce|reduce_scatter_tensor|all_gather_into_tensor)"
+    r"\.default\((\w+)"
+)
+_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)")
+_KERNEL = re.compile(
+    r"^\s*(?:\w+ = )?"
+    r"(?:extern_kernels\.\w+|torch\.ops\.(?:aten|fsync)\.[\w.]+|cpp_fused_\w+|triton_\w+\.run)\("
+)
+
+
+def overlapped_kernels(code: str) -> tuple[int, int]:
+    """(collectives, compute kernels launched while one is in flight) in inductor's code.
+
+    A collective is in flight from the line that issues it to the ``wait_tensor`` on its
+    buffer; a kernel launched in between runs while the collective does, which is the
+    overlap the compiler's reordering buys.
+    """
+    in_flight: set[str] = set()
+    collectives = overlapped = 0
+    for line in code.splitlines():
+        if issued := _ISSUE.search(line):
+            in_flight.add(issued.group(1))
+            collectives += 1
+        elif waited := _WAIT.search(line):
+            in_flight.discard(waited.group(1))
+        elif in_flight and _KERNEL.match(line):
+            overlapped += 1
+    return collectives, overlapped
+
+
+def kernels_launched(code: str) -> int:
+    """Compute kernels (fused, extern and fallback ops) in inductor's code: not collectives,
+    waits or views (``reinterpret_tensor``), which launch nothing."""
+    return sum(1 for line in code.splitlines() if _KERNEL.match(line))

@@ -1,0 +1,150 @@
+"""One table writer for every page: cells, the tables pages share, targets, the page file."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pathlib
+import platform
+import re
+import socket
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+import fsync
+from benchmarks import harness
+from benchmarks.harness import Row, Spread
+
+# A table: its title, its header and its rows of cells.
+Table = tuple[str, list[str], list[list[str]]]
+# A target: what it asks, what was measured, whether it is met (``None``: not run).
+Target = tuple[str, str, bool | None]
+
+
+def ms(x: float) -> str:
+    return f"{x:.1f}"
+
+
+def times(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def spread(s: Spread) -> str:
+    """A ratio over the rounds: ``"0.93x [0.90, 0.97]"``, the median [lowest, highest]."""
+    return f"{s.median:.2f}x [{s.low:.2f}, {s.high:.2f}]"
+
+
+def share(s: Spread, digits: int = 0) -> str:
+    """A share over the rounds: ``"34% [20%, 41%]"``, with ``digits`` decimals."""
+    return f"{s.median:.{digits}%} [{s.low:.{digits}%}, {s.high:.{digits}%}]"
+
+
+def timings(
+    row: Row, *bases: str, extra: Callable[[str], list[str]] = lambda name: []
+) -> list[list[str]]:
+    """A line per setting that ran: its name, its ms, its ratio to each of ``bases``, then
+    ``extra(name)``."""
+    return [
+        [n, ms(harness.ms(row, n)), *[spread(harness.ratio(row, n, b)) for b in bases], *extra(n)]
+        for n in row["rounds"]
+    ]
+
+
+def memory(rows: dict[str, Row], base: str, bucket_mib: float) -> Table:
+    """Rank 0's resident memory per workload and setting: once built, its peak, and its peak
+    against ``base``'s in MiB and in buckets of ``bucket_mib``."""
+    header = ["", "MiB, built", "peak MiB", "peak - built", f"peak - {base}'s, MiB", "in buckets"]
+    lines = []
+    for workload, row in rows.items():
+        for name, m in row["memory"].items():
+            extra = m["peak"] - row["memory"][base]["peak"]
+            cells = [f"{m['built']:.0f}", f"{m['peak']:.0f}", f"{m['peak'] - m['built']:.0f}"]
+            lines.append(
+                [f"{workload}: {name}", *cells, f"{extra:+.1f}", f"{extra / bucket_mib:+.2f}"]
+            )
+    return "", header, lines
+
+
+def check(
+    name: str, value: Spread | None, bound: float, *, least: bool = False, percent: bool = False
+) -> Target:
+    """A target on a spread's median: at most ``bound`` (at least, with ``least``); a
+    ``value`` of ``None`` was not run."""
+    if value is None:
+        return name, "not run", None
+    met = value.median >= bound if least else value.median <= bound
+    return name, share(value) if percent else spread(value), met
+
+
+def environment(**more: str) -> dict[str, str]:
+    """What a page was measured on: the date, the machine, the versions, and ``more``."""
+    cpu = platform.processor() or "unknown CPU"
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{socket.gethostname()}: {cpu}, {os.cpu_count()} cores, {platform.system()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "fsync": fsync.__version__,
+        **more,
+    }
+
+
+def met(ok: bool | None) -> str:
+    return {True: "yes", False: "**no**", None: "-"}[ok]
+
+
+def markdown(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def section(table: Table, note: str = "") -> list[str]:
+    """A table as a page section: its title as a heading, ``note``, the table."""
+    title, header, rows = table
+    return [f"## {title}", "", *([note, ""] if note else []), markdown(header, rows), ""]
+
+
+def targets(found: Iterable[Target]) -> Table:
+    return "Targets", ["target", "measured", "met"], [[n, m, met(ok)] for n, m, ok in found]
+
+
+def console(tables: Iterable[Table]) -> None:
+    """Prints ``tables`` with rich, the way a person reads them in a terminal."""
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    out = Console()
+    for title, header, rows in tables:
+        table = RichTable(title=title, title_justify="left")
+        for i, column in enumerate(header):
+            table.add_column(column, justify="left" if i == 0 else "right")
+        for row in rows:  # markdown's bold (a target not met) as plain text
+            table.add_row(*[re.sub(r"\*\*(.*?)\*\*", r"\1", cell) for cell in row])
+        out.print(table)
+
+
+def page(
+    path: pathlib.Path,
+    title: str,
+    intro: Iterable[str],
+    figures: Iterable[pathlib.Path],
+    sections: Iterable[tuple[Table, str]],
+    end: Iterable[str] = (),
+) -> list[pathlib.Path]:
+    """Writes a page: its title, the ``intro`` paragraphs, its figures, each section (a table
+    and the note above it), then ``end``; returns the page and its figures."""
+    figures = list(figures)
+    parts = [f"# {title}", ""]
+    for paragraph in [*intro, "\n".join(f"![{f.stem}]({f.name})" for f in figures)]:
+        parts += [paragraph, ""] if paragraph else []
+    for table, note in sections:
+        parts += section(table, note)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join([*parts, *end]))
+    return [path, *figures]
