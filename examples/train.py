@@ -229,6 +229,9 @@ def main() -> None:
             f"{result['test_loss']:.5f}"
         )
         print(f"OK: parameters identical on all {dist.get_world_size()} ranks")
+    # Every rank done with every group before any tears its sockets down: on two nodes a
+    # node-0 worker once failed in teardown after the run (CI, 2026-11-26), its cause unseen.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -73,13 +73,31 @@ def twonodes(script: str, *args: str, rate: str = RATE) -> tuple[int, str]:
     return proc.returncode, out
 
 
+def report(out: str, tail: int = 2500) -> str:
+    """What a failed launch said, node by node: each node's lines that name an error or a
+    signal, then its last ``tail`` characters. A plain tail of the interleaved output can be
+    all one node's exit-barrier traceback, hiding the other node's failure (a CI run)."""
+    said = []
+    for node in ("node0", "node1"):
+        mine = [
+            line
+            for line in out.splitlines()
+            if line.startswith("[node1] ") == (node == "node1") and "frame #" not in line
+        ]
+        errors = [line for line in mine if re.search(r"Error|error|Signal|signal|exitcode", line)]
+        text = "\n".join(mine)
+        said.append(f"--- {node}: {len(errors)} error lines ---\n" + "\n".join(errors[:40]))
+        said.append(f"--- {node}: the last {tail} characters ---\n{text[-tail:]}")
+    return "\n".join(said)
+
+
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_main_job_on_two_nodes_ends_with_identical_parameters():
     code, out = twonodes(*MAIN_JOB)
-    assert code == 0, out[-4000:]
-    assert "4 ranks on gloo as a 2 x 2 mesh (node, local)" in out, out[-4000:]
+    assert code == 0, report(out)
+    assert "4 ranks on gloo as a 2 x 2 mesh (node, local)" in out, report(out)
     loss = re.search(r"^loss ([\d.]+) -> ([\d.]+) in 20 steps", out, flags=re.M)
-    assert loss, out[-4000:]
+    assert loss, report(out)
     # fsync.verify(params, values=True) over all 4 ranks, both nodes, printed by rank 0.
     assert "OK: parameters identical on all 4 ranks" in out
 
@@ -87,7 +105,7 @@ def test_main_job_on_two_nodes_ends_with_identical_parameters():
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 def test_a_tree_that_differs_on_node_1_is_the_same_error_on_all_four_ranks(tmp_path):
     code, out = twonodes("tests/_twonodes_mismatch.py", str(tmp_path))
-    assert code == 0, out[-4000:]
+    assert code == 0, report(out)
     # One file per rank (ranks 2 and 3 on node 1): printed lines of four processes can
     # interleave mid-line in the one pipe twonodes writes to.
     said = {p.name.removeprefix("rank"): p.read_text() for p in tmp_path.glob("rank*")}
