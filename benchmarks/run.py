@@ -9,7 +9,8 @@ own on the slow-link page. ``--smoke`` runs tiny sizes and few rounds (what CI r
 ``--only`` picks sections. This is also the front door of the other pages: ``link``
 (:mod:`benchmarks.link`, a loopback shaped to a rate) and ``twonodes``
 (:mod:`benchmarks.twonodes`, two network namespaces joined by a shaped cable) are in the
-default run; both need root, and each says so and skips what it cannot run.
+default run; both need root, and each says so and skips what it cannot run. So is ``ft``
+(:mod:`benchmarks.ft`, fault tolerance on torchft; its 8 Gbit/s rows need root).
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ import torch.distributed as dist
 from torch._inductor.utils import run_and_get_code
 
 import fsync
-from benchmarks import harness, link, plot, steps, table, twonodes
+from benchmarks import ft, harness, link, plot, steps, table, twonodes
 from benchmarks.constants import DOCS
 from benchmarks.harness import Built, Row, Setting
 from benchmarks.models import Load
 from benchmarks.steps import setting
 
-CASES = ("step", "sync", "leaves", "hooks", "anatomy", "link", "twonodes")
+CASES = ("step", "sync", "leaves", "hooks", "anatomy", "link", "twonodes", "ft")
 CUDA_CASES = ("anatomy",)  # what runs on a GPU: the rest compares with DDP on CPU
 DDP_EAGER = "DDP eager"
 GRAD_AND_VALUE = "fsync eager, grad_and_value"
@@ -106,11 +107,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def loads(smoke: bool) -> list[Load]:
     """The workloads: the MLP, the deep MLP, and last the GPT (the sync, hook and anatomy
-    sections'); a smoke run: the GPT alone (each code path once), at the slow-link page's
-    smoke size, whose graphs it shares."""
+    sections'). A smoke run takes each code path once, at the slow-link page's smoke sizes,
+    whose graphs it shares: the steps on the MLP (the GPT's compiled steps took 100 s of the
+    suite's CPU to compile the same settings), the rest on the GPT's many leaves."""
     if smoke:
-        return [Load("GPT", 256, smoke=True)]
+        return [Load("MLP", 256, smoke=True), Load("GPT", 256, smoke=True)]
     return [Load("MLP", 64), Load("deep MLP", 64), Load("GPT", 256)]
+
+
+def step_loads(work: list[Load], smoke: bool) -> list[Load]:
+    """The workloads of section 1: all of them; a smoke run: the first alone."""
+    return work[:1] if smoke else work
 
 
 # --- 1. the step ----------------------------------------------------------------------------
@@ -269,7 +276,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             return harness.turns(settings, **timing, **options)  # type: ignore[arg-type]
 
         if "step" in args.only:
-            results["step"] = {load.name: turns(step_settings(load)) for load in work}
+            step_rows = step_loads(work, args.smoke)
+            results["step"] = {load.name: turns(step_settings(load)) for load in step_rows}
         results |= {name: turns(make()) for name, make in sections.items() if name in args.only}
     results["leaves_bytes"] = total * 4
     results["gpu"] = _gpu_note(args)
@@ -472,8 +480,8 @@ def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    pages = [c for c in ("link", "twonodes") if c in args.only and args.device == "cpu"]
-    args.only = [c for c in args.only if c not in ("link", "twonodes")]
+    pages = [c for c in ("link", "twonodes", "ft") if c in args.only and args.device == "cpu"]
+    args.only = [c for c in args.only if c not in ("link", "twonodes", "ft")]
     if args.only:
         results = measure(args)
         table.console([*tables(results), table.targets(targets(results))])
@@ -484,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         common += ["--smoke", f"--rounds={args.rounds}", f"--steps={args.steps}"]
         common += [f"--warmup={args.warmup}"]
     for page in pages:  # each says so and skips what it cannot run
-        {"link": link, "twonodes": twonodes}[page].main(common)
+        {"link": link, "twonodes": twonodes, "ft": ft}[page].main(common)
     return 0
 
 

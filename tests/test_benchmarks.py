@@ -112,7 +112,7 @@ def test_a_ratio_is_taken_round_by_round():
 def test_smoke_run_writes_every_section(tmp_path):
     _smoke(tmp_path, "--leaves", "1,10", "--only", "step,sync,leaves,hooks,anatomy")
     md = (tmp_path / "benchmarks.md").read_text()
-    for section in ("Targets", "1. Step time, GPT", "1b. Overlap", "2. Sync", "3. Leaf scaling"):
+    for section in ("Targets", "1. Step time, MLP", "1b. Overlap", "2. Sync", "3. Leaf scaling"):
         assert f"## {section}" in md
     for section in ("4. Hooks", "6. The compiled sync", "7. GPU"):
         assert f"## {section}" in md
