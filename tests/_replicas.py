@@ -70,7 +70,8 @@ def setup(config: dict[str, Any], group: Any):
     opt = fsync.optim.sgd(0.05, momentum=0.9)
     params = model(config.get("width", WIDTH))
     if config["mode"] == "diloco":
-        outer = fsync.diloco(2, group=group, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+        h = config.get("inner_steps", 2)
+        outer = fsync.diloco(h, group=group, bucket_cap_mb=0.001, first_bucket_mb=0.001)
         state = TrainState(params, opt.init(params), outer.init(params), torch.tensor(0))
         return outer, opt, state
     state = TrainState(params, opt.init(params), sync.init(params), torch.tensor(0))

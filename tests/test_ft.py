@@ -133,18 +133,25 @@ def test_a_replica_killed_in_backward_restarts_and_heals_powersgd_state(tmp_path
 
 @pytest.mark.timeout(240)
 def test_a_replica_killed_between_steps_restarts_and_heals_diloco_state(tmp_path):
-    config = {**_config(), "mode": "diloco", "min_replicas": 2}
+    # One sync, at the last step: the restarted replica heals in an inner step, which
+    # issues no collective across replicas. Before the transaction met its peers in such a
+    # step, the source committed (withdrawing its state) while the other was fetching it,
+    # and the heal timed out step after step.
+    config = {**_config(), "mode": "diloco", "min_replicas": 2, "inner_steps": STEPS}
     job, codes, _ = _run(tmp_path, config, victim=1, when="between")
     assert codes == {0: 0, 1: 0}, job.stderr(0) + job.stderr(1)
     states = [job.final(k) for k in range(2)]
     # DiLoCo's inner optimizer is each replica's own (its momentum follows its own batches);
-    # the rest is the same: the parameters (step 8 is a sync), the anchor, the outer
+    # the rest is the same: the parameters (step 8 is the sync), the anchor, the outer
     # momentum, the counts.
     assert _identical(states[0]._replace(opt=None), states[1]._replace(opt=None))
     assert not _identical(states[0].opt, states[1].opt)  # so the comparison above is needed
     assert int(states[0].count) == STEPS
     for k in range(2):
         _commits(job.log(k))
+    restarted = job.log(1)
+    second = [i for i, e in enumerate(restarted) if e["event"] == "start"][1]
+    assert restarted[second + 1]["healed"] and restarted[second + 1]["committed"], restarted
 
 
 @pytest.mark.timeout(200)

@@ -80,12 +80,15 @@ class ManagerGroup(_comm.ReplicaGroup):
     Attributes:
         manager: The ``torchft.Manager`` given.
         live: Whether a step's quorum is on (set by [fsync.ft.Replica][]).
+        issued: The collectives issued across replicas so far (a transaction
+            reads whether its step issued any).
     """
 
     def __init__(self, manager: Any, *, device: torch.device | str = "cpu") -> None:
         self.manager = manager
         self._device = torch.device(device)
         self.live = False
+        self.issued = 0
 
     def __repr__(self) -> str:
         return f"ManagerGroup({self.manager!r})"
@@ -115,6 +118,7 @@ class ManagerGroup(_comm.ReplicaGroup):
         """``x`` reduced across the quorum by the Manager (a failure is the Manager's)."""
         # c10d's names, as torchft imports them (fsync's own c10d calls live in _comm).
         reduce_op = getattr(_module("process_group").ReduceOp, _REDUCE_OPS[op])
+        self.issued += 1
         work = self.manager.allreduce(x, reduce_op=reduce_op)
         return _comm.Pending(x, (_Checked(work, self.manager),))
 
@@ -135,6 +139,7 @@ class ManagerGroup(_comm.ReplicaGroup):
     def _issue(self, call: Any) -> _Checked:
         """``call(pg)`` on the Manager's process group, a failure reported to the Manager."""
         self.manager.wait_quorum()
+        self.issued += 1
         try:
             return _Checked(call(self.manager._pg), self.manager)
         except RuntimeError as error:
@@ -142,14 +147,22 @@ class ManagerGroup(_comm.ReplicaGroup):
             raise
 
 
-def lighthouse(min_replicas: int = 1, *, join_timeout_ms: int = 100) -> Any:
+def lighthouse(
+    min_replicas: int = 1, *, join_timeout_ms: int = 100, heartbeat_timeout_ms: int = 5000
+) -> Any:
     """An in-process torchft lighthouse on a free port (``.address()``, ``.shutdown()``).
 
     For tests, examples and single-machine jobs; a cluster runs ``torchft_lighthouse``.
     ``join_timeout_ms`` is how long a quorum waits for replicas beyond ``min_replicas``.
+    ``heartbeat_timeout_ms`` is how long a silent replica still counts as alive: a quorum
+    needs more than half of the replicas heard from within it, so with two replicas the
+    survivor of a death waits this long (torchft's default, 5 s) before it goes on alone.
     """
     return _module("coordination").LighthouseServer(
-        bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms
+        bind="[::]:0",
+        min_replicas=min_replicas,
+        join_timeout_ms=join_timeout_ms,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
     )
 
 

@@ -12,7 +12,10 @@ old state. ``Replica.step(fn)`` wraps it:
    a collective that fails (a peer died or hung) is reported to the Manager
    and ends ``fn`` with a ``CollectiveError``, which the step swallows;
 3. ``Manager.should_commit()``: the new state if every participant of this
-   replica group succeeded, else the old one.
+   replica group succeeded, else the old one. A step that issued no collective
+   across replicas (DiLoCo's inner steps) in a quorum that changed meets the
+   others once first (``_meet``): a peer may still be fetching this replica's
+   state, and ``should_commit`` withdraws it.
 
 Nothing but ``fn``'s own errors leaves the step: a disagreement between live
 replicas is still a ``ValueError`` everywhere, and a replica that joins with
@@ -102,6 +105,7 @@ class Replica:
         self.group = _torchft.ManagerGroup(manager, device=device)
         self._committed: Any = _UNSET
         self._healed: Any = _UNSET
+        self._quorum: Any = None  # the id of the last step's quorum (torchft's)
         manager.register_state_dict_fn("fsync", self._load, self._save)
 
     @classmethod
@@ -174,6 +178,8 @@ class Replica:
     ) -> tuple[Any, Outcome]:
         self._committed = state
         self.manager.start_quorum()
+        quorum, self._quorum = self._quorum, getattr(self.manager, "_quorum_id", None)
+        issued = self.group.issued
         healed = self._healed is not _UNSET
         if healed:
             state, self._healed = self._healed, _UNSET
@@ -182,6 +188,8 @@ class Replica:
         self.group.live = True
         try:
             result = fn(state, *args, **kwargs)
+            if self.group.issued == issued and (quorum is None or quorum != self._quorum):
+                self._meet()
         except _comm.CollectiveError as failure:
             self.manager.report_error(failure)
             result, error = (state, None), failure
@@ -202,6 +210,19 @@ class Replica:
             error=None if error is None else str(error),
         )
         return (new_state if committed else state), outcome
+
+    def _meet(self) -> None:
+        """One collective across the quorum, for a step that issued none.
+
+        A peer that heals fetches this replica's committed state after the quorum,
+        and ``should_commit`` withdraws it (torchft's checkpoint transport). A step
+        with collectives cannot commit before every peer has joined them, so after
+        its fetch; one without (DiLoCo's inner steps) could, and the fetch then
+        timed out, step after step. Every replica of a changed quorum meets here
+        (a quorum's id is the same everywhere), so the decision is the same on all.
+        """
+        one = torch.ones(1, device=self.group.device)
+        _comm.wait(self.group.all_reduce(one, "sum"), "the replicas' meeting before commit")
 
     def _save(self) -> dict[str, Any]:
         return _heal.payload(self._committed)
