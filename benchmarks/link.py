@@ -60,6 +60,7 @@ CEILING = "flat all-reduce issued before the compiled compute (ceiling)"
 SYNC_ALONE = (steps.FLAT, "sync_grads eager", "sync_grads compiled")
 MEMORY_SETTINGS = ("compute, module eager", DDP_EAGER, GAV, FUNC)
 MEMORY_BATCH = 256
+JSON = "benchmarks-link.json"  # the results a page was written from, beside it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,6 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", type=pathlib.Path, default=DOCS)
     parser.add_argument("--json", type=pathlib.Path, help="child: where to write its results")
+    parser.add_argument(
+        "--from-json",
+        type=pathlib.Path,
+        help=f"write the page from a run's {JSON}, measuring nothing",
+    )
     return parser.parse_args(argv)
 
 
@@ -476,12 +482,20 @@ ZERO_NOTE = (
 )
 
 
-def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
-    """``benchmarks-link.md`` and its figures in ``out``."""
+def write(
+    results: dict[str, Any], out: pathlib.Path, environment: dict[str, str] | None = None
+) -> list[pathlib.Path]:
+    """``benchmarks-link.md`` and its figures in ``out`` from ``results`` (rate by rate),
+    and what they were made from (``benchmarks-link.json``, which ``--from-json`` reads)."""
+    saved = {"environment": environment, "rates": results}
+    (out / JSON).write_text(json.dumps(saved, indent=1) + "\n")
     sections = [(table.targets(targets(results)), ""), *tables(results)]
     pngs = figures(results, out)
+    intro = [READING]
+    if environment:
+        intro.append(table.markdown(["", ""], environment.items()))
     return table.page(
-        out / "benchmarks-link.md", "Benchmarks on a slow link", [READING], pngs, sections
+        out / "benchmarks-link.md", "Benchmarks on a slow link", intro, pngs, sections
     )
 
 
@@ -491,7 +505,13 @@ def main(argv: list[str] | None = None) -> int:
         assert args.json is not None
         args.json.write_text(json.dumps(child(args)))
         return 0
-    print("wrote " + ", ".join(map(str, write(measure(args), args.out))))
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        results, environment = saved["rates"], saved["environment"]
+    else:
+        results = measure(args)
+        environment = table.environment(rounds=str(args.rounds), rates=args.rates)
+    print("wrote " + ", ".join(map(str, write(results, args.out, environment))))
     return 0
 
 
