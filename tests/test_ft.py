@@ -198,6 +198,11 @@ class _Manager:
 
     def __init__(self, *, fail_commit=False):
         self.errors, self.step, self.fail_commit, self.fns = [], 0, fail_commit, {}
+        self._quorum_id, self.reduced = 1, []  # torchft's quorum id; what was all-reduced
+
+    def allreduce(self, x, reduce_op):
+        self.reduced.append(x.clone())
+        return _Done()
 
     def register_state_dict_fn(self, key, load, save):
         self.fns[key] = (load, save)
@@ -224,6 +229,13 @@ class _Manager:
 
     def participating_rank(self):
         return 0
+
+
+class _Done:
+    """A collective of one replica: done at once."""
+
+    def wait(self):
+        return True
 
 
 def _step(state, fail):
@@ -347,3 +359,21 @@ def test_without_torchft_the_error_names_the_extra(monkeypatch):
     monkeypatch.setattr(importlib, "import_module", missing)
     with pytest.raises(ImportError, match=r"pip install 'fsync\[ft\]'"):
         _torchft.lighthouse()
+
+
+def test_a_step_without_collectives_meets_its_peers_where_the_quorum_changed():
+    # A peer healing from this replica fetches its state after the quorum; should_commit
+    # withdraws it. A step with no collective of its own (DiLoCo's inner steps) meets the
+    # others once before committing where the quorum is new, and only there.
+    manager = _Manager()
+    step = fsync.ft.Replica(manager).step(_step)
+    state = {"w": torch.zeros(2)}
+    state, outcome = step(state, False)  # the first quorum: new
+    assert outcome.committed and len(manager.reduced) == 1
+    assert torch.equal(manager.reduced[0], torch.ones(1))
+    state, _ = step(state, False)
+    assert len(manager.reduced) == 1  # the same quorum: no meeting
+    manager._quorum_id = 2  # a replica joined (or left)
+    state, outcome = step(state, False)
+    assert outcome.committed and len(manager.reduced) == 2
+    assert torch.equal(state["w"], torch.full((2,), 3.0))

@@ -136,6 +136,19 @@ class ManagerGroup(_comm.ReplicaGroup):
         options.rootRank = src
         return _comm.Pending(x, (self._issue(lambda pg: pg.broadcast([x], options)),))
 
+    def meet(self) -> None:
+        """One collective across the quorum, waited for: for a step that issued none.
+
+        A peer that heals fetches this replica's committed state after the quorum, and
+        ``should_commit`` withdraws it (torchft's checkpoint transport). A step with
+        collectives cannot commit before every peer has joined them, so after its fetch;
+        one without (DiLoCo's inner steps) could, and the fetch then timed out, step after
+        step. A transaction calls this where its quorum changed: a quorum's id is the same
+        on every replica, so all of them meet.
+        """
+        one = torch.ones(1, device=self.device)
+        _comm.wait(self.all_reduce(one, "sum"), "the replicas' meeting before commit")
+
     def _issue(self, call: Any) -> _Checked:
         """``call(pg)`` on the Manager's process group, a failure reported to the Manager."""
         self.manager.wait_quorum()

@@ -14,7 +14,7 @@ old state. ``Replica.step(fn)`` wraps it:
 3. ``Manager.should_commit()``: the new state if every participant of this
    replica group succeeded, else the old one. A step that issued no collective
    across replicas (DiLoCo's inner steps) in a quorum that changed meets the
-   others once first (``_meet``): a peer may still be fetching this replica's
+   others once first (``ManagerGroup.meet``): a peer may still be fetching this replica's
    state, and ``should_commit`` withdraws it.
 
 Nothing but ``fn``'s own errors leaves the step: a disagreement between live
@@ -189,7 +189,7 @@ class Replica:
         try:
             result = fn(state, *args, **kwargs)
             if self.group.issued == issued and (quorum is None or quorum != self._quorum):
-                self._meet()
+                self.group.meet()
         except _comm.CollectiveError as failure:
             self.manager.report_error(failure)
             result, error = (state, None), failure
@@ -210,19 +210,6 @@ class Replica:
             error=None if error is None else str(error),
         )
         return (new_state if committed else state), outcome
-
-    def _meet(self) -> None:
-        """One collective across the quorum, for a step that issued none.
-
-        A peer that heals fetches this replica's committed state after the quorum,
-        and ``should_commit`` withdraws it (torchft's checkpoint transport). A step
-        with collectives cannot commit before every peer has joined them, so after
-        its fetch; one without (DiLoCo's inner steps) could, and the fetch then
-        timed out, step after step. Every replica of a changed quorum meets here
-        (a quorum's id is the same everywhere), so the decision is the same on all.
-        """
-        one = torch.ones(1, device=self.group.device)
-        _comm.wait(self.group.all_reduce(one, "sum"), "the replicas' meeting before commit")
 
     def _save(self) -> dict[str, Any]:
         return _heal.payload(self._committed)
