@@ -41,8 +41,14 @@ def torchrun(script: str, *args: str, timeout: float = RUN_TIMEOUT, nproc: int =
         str(ROOT / script),
         *args,
     ]
-    # A session of its own, so that a timeout kills the ranks too, not only torchrun.
-    proc = subprocess.Popen(
+    return bounded(command, timeout, f"{script} {' '.join(args)}")
+
+
+def bounded(command: list[str], timeout: float, what: str) -> str:
+    """Runs ``command`` from the repository's root in a session of its own; returns its
+    stdout, or fails with its output. A run past ``timeout`` is killed with every process
+    it started (ranks, settings' worlds, replicas), not only the first."""
+    with subprocess.Popen(
         command,
         cwd=ROOT,
         env=environment(),
@@ -50,12 +56,12 @@ def torchrun(script: str, *args: str, timeout: float = RUN_TIMEOUT, nproc: int =
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{script} {' '.join(args)} ran over {timeout} s:\n{out}\n{err[-4000:]}")
-    assert proc.returncode == 0, f"{script} {' '.join(args)} failed:\n{out}\n{err[-4000:]}"
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"{what} ran over {timeout} s:\n{out}\n{err[-4000:]}")
+    assert proc.returncode == 0, f"{what} failed:\n{out}\n{err[-4000:]}"
     return out

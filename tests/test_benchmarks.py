@@ -11,14 +11,13 @@ import functools
 import itertools
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 
 from benchmarks import harness, link, run, table, twonodes, zero
 from tests import _harness_settings
-from tests._launch import ROOT, environment
+from tests._launch import bounded
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -31,23 +30,7 @@ def _smoke(out: pathlib.Path, *args: str, timeout: float = 580) -> str:
 
 
 def _run(command: list[str], timeout: float) -> str:
-    with subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a timeout kills the settings' processes too
-    ) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            out, err = proc.communicate()
-            pytest.fail(f"{' '.join(command)} ran over {timeout} s:\n{out}\n{err[-4000:]}")
-    assert proc.returncode == 0, f"{out}\n{err[-4000:]}"
-    return out
+    return bounded(command, timeout, " ".join(command))
 
 
 def _row(**rounds: list[float]) -> harness.Row:

@@ -7,17 +7,14 @@ the page runs and is complete, and (without processes) that its pure helpers are
 
 from __future__ import annotations
 
-import os
 import pathlib
-import signal
-import subprocess
 import sys
 from typing import Any
 
 import pytest
 
 from benchmarks import ft, harness
-from tests._launch import ROOT, environment
+from tests._launch import bounded
 
 # The smoke run takes 40-45 s on 2 quiet cores, 75 s with another job on them (load 6);
 # most of it is interpreters starting (the page's child, the forkserver, four replicas).
@@ -52,22 +49,7 @@ def _recovered(survivor_s: float, restart_s: float, healed: bool = True) -> dict
 @pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
 def test_smoke_run_writes_every_section_and_row(tmp_path: pathlib.Path) -> None:
     command = [sys.executable, "-m", "benchmarks.ft", "--smoke", "--out", str(tmp_path)]
-    with subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a timeout kills the replicas and the settings' processes too
-    ) as proc:
-        try:
-            out, err = proc.communicate(timeout=SMOKE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            pytest.fail(f"the smoke run ran over {SMOKE_TIMEOUT_S} s:\n{out}\n{err[-4000:]}")
-    assert proc.returncode == 0, f"{out}\n{err[-4000:]}"
+    bounded(command, SMOKE_TIMEOUT_S, "the smoke run")
     page = (tmp_path / "benchmarks-ft.md").read_text()
     headings = [
         "# Benchmarks: fault tolerance on torchft",
