@@ -311,8 +311,15 @@ def test_misuse_gets_fsync_errors_and_compression_compiles_on_plain_dicts(world:
 # --- what one rank finds alone ------------------------------------------------------------------
 
 
-def _refused(call, match, error=ValueError):
-    """``call()`` raises ``error`` matching ``match``, fast; the group works afterwards."""
+def _refused(call, match, error=ValueError, *, compile_first=False):
+    """``call()`` raises ``error`` matching ``match``, fast; the group works afterwards.
+
+    With ``compile_first``, a first call compiles (it may raise the same error) before the
+    clock starts: on a slow machine a compile alone took over ``FAST`` (CI, 19 s).
+    """
+    if compile_first:
+        with contextlib.suppress(ValueError, TypeError):
+            call()
     started = time.monotonic()
     with pytest.raises(error, match=match):
         call()
@@ -332,17 +339,8 @@ def _on_rank_local_findings(compiled):
     refused = rf"rank {last} cannot take part in this sync, so no rank sent its buckets"
 
     def run(fn):
-        """Eagerly, or compiled: the first call compiles (untimed), the second is checked."""
-        if not compiled:
-            return fn
-        step = torch.compile(fn, fullgraph=True)
-
-        def call(*args):
-            with contextlib.suppress(ValueError, TypeError):
-                step(*args)
-            return step(*args)
-
-        return call
+        """Eagerly, or compiled (``_refused`` compiles it with a first, untimed call)."""
+        return torch.compile(fn, fullgraph=True) if compiled else fn
 
     sync = fsync.GradSync()
     state = sync.init(base)
@@ -352,11 +350,13 @@ def _on_rank_local_findings(compiled):
         lambda: step(wider if odd else base, state),
         rf"{refused} \(every rank raises this error\): rank {last}: grads does not match the "
         r"plan: leaf 'enc.w' has shape \(5, 3\)",
+        compile_first=compiled,
     )
     foreign = sync.init({**base, "enc.b": torch.ones(7)})  # a state made for another tree
     _refused(
         lambda: step(base, foreign if odd else state),
         rf"{refused}.*rank {last}: grads does not match the plan: leaf 'enc.b' has shape \(4,\)",
+        compile_first=compiled,
     )
     powersgd = fsync.GradSync(hook=fsync.ops.powersgd(1, start_step=0, min_compression_rate=0))
     hooked = powersgd.init(base)
@@ -366,6 +366,7 @@ def _on_rank_local_findings(compiled):
         lambda: step_powersgd(base, hooked._replace(hook=stale) if odd else hooked),
         r"the hook's state differs across ranks: its leaf 1 is \(\d+,\) torch.float32 on rank 0 "
         rf"but \(\d+,\) torch.float32 on rank {last}",
+        compile_first=compiled,
     )
     # A wrong leaf type on one rank: every rank raises the TypeError it found.
     ints = {**base, "enc.b": torch.ones(4, dtype=torch.int64)}
@@ -374,6 +375,7 @@ def _on_rank_local_findings(compiled):
         lambda: stateless(ints if odd else base),
         rf"{refused}.*rank {last}: grads leaf 'enc.b' has dtype torch.int64",
         TypeError,
+        compile_first=compiled,
     )
     if compiled:
         # A shape changed on one rank only, under plain torch.compile: dynamo makes it
