@@ -20,12 +20,13 @@ not made on a GPU. ``--only`` runs some parts; ``--out`` names the page's folder
 
 On a GPU machine of this project (torch 2.11 + CUDA 13, Python 3.12, pytest on the
 image, no package registry), fsync's one missing dependency, optree, must be carried as
-a cp312 wheel (``.whl/`` is git-ignored)::
+a cp312 wheel (``.whl/`` is git-ignored), not 0.20.0, whose registry lookup torch 2.11's
+dynamo cannot trace (``fsync/_tree.py``, ``compile_problem``)::
 
     # here, once, in the repository's root:
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
-        --platform manylinux2014_x86_64 -d .whl 'optree>=0.13'
+        --platform manylinux2014_x86_64 -d .whl 'optree>=0.13,!=0.20.0'
     # there (the device tool: carry=[".whl"]):
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \\
         && PYTHONPATH=/tmp/site python3 benchmarks/gpu.py && cp docs/benchmarks-gpu.md $OUT/

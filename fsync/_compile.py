@@ -8,6 +8,8 @@ from typing import Any, TypeVar, cast
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from fsync import _tree
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 # Inductor's scheduler passes that issue each bucket's collective as soon as its gradients
@@ -120,6 +122,10 @@ def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs
     Returns:
         The compiled function.
 
+    Raises:
+        RuntimeError: torch older than 2.13 with optree 0.20 or newer, a pair whose
+            dynamo cannot trace fsync's pytree flattening (the message says what to install).
+
     Example:
         >>> import torch, fsync
         >>> def train_step(params, grads):
@@ -127,6 +133,9 @@ def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs
         ...     return {k: p - 0.1 * grads[k] for k, p in params.items()}
         >>> train_step = fsync.compile(train_step)  # compiled on its first call
     """
+    problem = _tree.compile_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
     # Static shapes: buckets are planned from them, and a shape that changed between calls
     # must be a new plan (which the ranks then check) rather than a symbolic one.
     kwargs.setdefault("dynamic", False)

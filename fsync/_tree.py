@@ -19,6 +19,7 @@ from typing import Any
 
 import optree
 import torch
+from torch.torch_version import TorchVersion
 
 NAMESPACE = "fsync"
 
@@ -27,6 +28,28 @@ NAMESPACE = "fsync"
 # this module, since collecting it would run its exit and restore sorted order.
 _INSERTION_ORDERED = optree.dict_insertion_ordered(True, namespace=NAMESPACE)
 _INSERTION_ORDERED.__enter__()
+
+
+def compile_problem(
+    torch_version: str = torch.__version__, optree_version: str = optree.__version__
+) -> str | None:
+    """Why ``torch.compile`` cannot trace :func:`flatten` with these versions, else ``None``.
+
+    optree 0.20 looks a type up in a namespace whose dicts keep insertion order (fsync's)
+    through ``sys.version_info >= (3, 15)``, a comparison torch 2.11's dynamo cannot trace
+    (``'<' not supported between instances of 'tuple' and 'version_info'``): every compiled
+    flatten fails. Seen on torch 2.11.0+cu130 with optree 0.20.0; optree 0.14 to 0.19 have no
+    such lookup, and torch 2.13's dynamo traces it. torch 2.12 was not checked, so it is
+    refused too. The dependency ``optree>=0.13,!=0.20.0`` keeps a fresh install clear of it.
+    """
+    if TorchVersion(torch_version) >= (2, 13) or TorchVersion(optree_version) < (0, 20):
+        return None
+    return (
+        f"fsync under torch.compile needs optree < 0.20 with torch < 2.13; got torch "
+        f"{torch_version} and optree {optree_version}, whose registry lookup this torch's "
+        f"dynamo cannot trace. Install optree 0.19 (pip install 'optree>=0.13,<0.20') or "
+        f"torch >= 2.13."
+    )
 
 
 def flatten(

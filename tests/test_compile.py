@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,6 +13,7 @@ from torch._inductor.utils import run_and_get_code
 import fsync
 from benchmarks import models
 from benchmarks.steps import overlapped_kernels
+from fsync import _tree
 from tests._models import func_loss, params_of, ref_batch, ref_model
 from tests._world import World
 
@@ -198,3 +200,28 @@ def _on_rank_fsync_compile_bitwise():
 @pytest.mark.parametrize("world", [3], indirect=True)
 def test_fsync_compile_sync_is_bitwise_eager(world: World):
     world.run(_on_rank_fsync_compile_bitwise, timeout=400)
+
+
+@pytest.mark.parametrize(
+    ("torch_version", "optree_version", "refused"),
+    [
+        ("2.11.0+cu130", "0.20.0", True),  # seen failing on the GPU machines
+        ("2.12.1", "0.21.0", True),  # not checked: refused
+        ("2.11.0+cu130", "0.19.1", False),  # seen passing (0.14.1 and 0.17.0 too)
+        ("2.13.0+cpu", "0.20.0", False),  # CI's pair
+    ],
+)
+def test_compile_refuses_a_torch_and_optree_its_dynamo_cannot_trace(
+    monkeypatch, torch_version, optree_version, refused
+):
+    """torch 2.11's dynamo cannot trace optree 0.20's namespace lookup: a clear error first."""
+    # Its defaults are the installed versions, which CI's pair passes.
+    assert _tree.compile_problem.__defaults__ == (torch.__version__, optree.__version__)
+    found = _tree.compile_problem(torch_version, optree_version)
+    assert (found is not None) == refused
+    if refused:
+        assert f"got torch {torch_version} and optree {optree_version}" in found
+        assert "pip install 'optree>=0.13,<0.20'" in found
+        monkeypatch.setattr(_tree, "compile_problem", lambda: found)
+        with pytest.raises(RuntimeError, match=re.escape(found)):
+            fsync.compile(lambda x: x)
