@@ -11,56 +11,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.ao.quantization import MinMaxObserver, PerChannelMinMaxObserver
-from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as ddp_quant
 
 import fsync
 from fsync import _comm
+from tests._ddp_quantization import all_gather, ddp_quantized_mean
 from tests._models import func_loss, params_of, ref_batch, ref_model
 from tests._world import World
 
 CAP = {"bucket_cap_mb": 0.001, "first_bucket_mb": 0.001}  # several buckets
 EPS = torch.finfo(torch.float32).eps
-
-
-def _all_gather(t):
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    return parts
-
-
-def _ddp_quantized_mean(bucket, per_channel, channel_size=512):
-    """DDP's quantization_pertensor_hook / _perchannel_hook, step by step.
-
-    DDP's hooks themselves fail on torch 2.13 with gloo (their callbacks index the
-    all-gather future's value as if it were nested), so this runs their operations:
-    torch's min-max observers for the parameters, the hooks' own (de)quantisation
-    helpers, the sum in rank order and the division by the world size.
-    """
-    world_size = dist.get_world_size()
-    if per_channel:
-        # DDP pads to whole channels (a whole extra one when the size divides).
-        pad = channel_size - len(bucket) % channel_size
-        x = torch.nn.functional.pad(bucket, (0, pad)).view(-1, channel_size)
-        observer = PerChannelMinMaxObserver()
-        observer(x)
-        scale, zero_point = observer.calculate_qparams()
-        s_and_z = _all_gather(torch.stack((scale, zero_point)).float())
-        mine = s_and_z[dist.get_rank()]
-        quantized = _all_gather(ddp_quant._quantize_per_channel_backend(x, mine[0], mine[1]))
-        total = torch.zeros_like(x, dtype=torch.float32)
-        for q, sz in zip(quantized, s_and_z, strict=True):
-            total += ddp_quant._dequantize_per_channel_backend(q, sz[0], sz[1])
-        return total.flatten()[: len(bucket)] / world_size
-    observer = MinMaxObserver()
-    observer(bucket)
-    scale, zero_point = observer.calculate_qparams()
-    s_and_z = _all_gather(torch.tensor([scale.item(), zero_point.item()], dtype=torch.float32))
-    mine = s_and_z[dist.get_rank()]
-    quantized = _all_gather(ddp_quant._quantize_per_tensor_backend(bucket, mine[0], mine[1]))
-    total = torch.zeros_like(bucket, dtype=torch.float32)
-    for q, sz in zip(quantized, s_and_z, strict=True):
-        total += ddp_quant._dequantize_per_tensor_backend(q, sz[0], sz[1])
-    return total / world_size
 
 
 def _on_rank_ddp_parity(per_channel):
@@ -72,7 +31,7 @@ def _on_rank_ddp_parity(per_channel):
     synced = fsync.pack(fsync.sync_grads(grads, hook=hook, **CAP), plan)
     exact = []
     for ours, bucket in zip(synced, fsync.pack(grads, plan), strict=True):
-        reference = _ddp_quantized_mean(bucket, per_channel, 64)
+        reference = ddp_quantized_mean(bucket, per_channel, 64)
         # Same operations in the same order but the last: DDP divides by W (one
         # rounding), fsync multiplies by 1/W rounded to float32 (two): three roundings
         # of the same quotient, within gamma_3 = 3u / (1 - 3u) (u = eps / 2) of DDP's
@@ -115,8 +74,8 @@ def _on_rank_error_bound(bits, per_channel):
     else:
         observer(bucket)
         scale = observer.calculate_qparams()[0].expand(len(bucket))
-    scales = torch.stack(_all_gather(scale.contiguous()))
-    mean = torch.stack([p.double() for p in _all_gather(bucket)]).mean(0)
+    scales = torch.stack(all_gather(scale.contiguous()))
+    mean = torch.stack([p.double() for p in all_gather(bucket)]).mean(0)
     # Rounding to the nearest level is off by at most half a scale per rank (the
     # clamp at the ends included: min and max are within half a level of the
     # grid). In float32, with u = eps / 2 and L = levels: x / scale, the zero point's
