@@ -217,7 +217,8 @@ def part_environment(save: Save) -> None:
     found["driver"] = _output(
         ["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"]
     )
-    found["commit"] = _output(["git", "rev-parse", "--short", "HEAD"])  # none in a bare copy
+    # "-dirty" where the tree differs from its commit (none in a copy without .git)
+    found["commit"] = _output(["git", "describe", "--always", "--dirty", "--abbrev=7"])
     save(found)
 
 
