@@ -42,7 +42,7 @@ def compile_problem(
     such lookup, and torch 2.13's dynamo traces it. torch 2.12 was not checked, so it is
     refused too. The dependency ``optree>=0.13,!=0.20.0`` keeps a fresh install clear of it.
     """
-    if TorchVersion(torch_version) >= (2, 13) or TorchVersion(optree_version) < (0, 20):
+    if TorchVersion(torch_version) >= "2.13" or TorchVersion(optree_version) < "0.20":
         return None
     return (
         f"fsync under torch.compile needs optree < 0.20 with torch < 2.13; got torch "
