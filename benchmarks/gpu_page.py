@@ -143,7 +143,9 @@ def _parity(tests: Outcome | None, reports: dict[str, Any]) -> Section:
         "fsync's results must be DDP's bit for bit wherever the local gradients are "
         "(`torch.func.grad` against autograd on the module, a test's first row). Hooks without "
         "a DDP counterpart that runs here are checked against the same sync of the same "
-        "gradients as CPU tensors. From `tests/test_cuda.py`.",
+        "gradients as CPU tensors, but quantisation against DDP's hook operations step by step "
+        "on the GPU (CUDA divides by a Python number as a product by its reciprocal, and so do "
+        "DDP's hooks there). From `tests/test_cuda.py`.",
         "",
     ]
     if not rows:
