@@ -33,7 +33,7 @@ _INSERTION_ORDERED.__enter__()
 def compile_problem(
     torch_version: str = torch.__version__, optree_version: str = optree.__version__
 ) -> str | None:
-    """Why ``torch.compile`` cannot trace :func:`flatten` with these versions, else ``None``.
+    """Why ``torch.compile`` cannot trace ``flatten`` with these versions, else ``None``.
 
     optree 0.20 looks a type up in a namespace whose dicts keep insertion order (fsync's)
     through ``sys.version_info >= (3, 15)``, a comparison torch 2.11's dynamo cannot trace
