@@ -1,4 +1,4 @@
-"""``python -m fsync``: versions, available backends and a one-line self-check."""
+"""``python -m fsync``: versions, available backends, a one-line self-check, whether it compiles."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import fsync
+from fsync import _tree
 from fsync._plan import count
 
 
@@ -53,6 +54,14 @@ def _self_check() -> str:
     return f"self-check ok: {buckets} planned, packed, synced and unpacked"
 
 
+def _compile_check() -> tuple[bool, str]:
+    """Whether ``torch.compile`` can trace fsync with this torch and optree, in words."""
+    problem = _tree.compile_problem()
+    if problem is None:
+        return True, "torch.compile: ok"
+    return False, f"torch.compile: FAILS here: {problem}"
+
+
 def main() -> int:
     print(f"fsync {fsync.__version__}")
     print(
@@ -64,7 +73,9 @@ def main() -> int:
     except Exception as error:  # report, do not hide: the exit status says it failed
         print(f"self-check FAILED: {type(error).__name__}: {error}")
         return 1
-    return 0
+    compiles, words = _compile_check()
+    print(words)
+    return 0 if compiles else 1
 
 
 if __name__ == "__main__":

@@ -33,6 +33,16 @@ def test_python_m_fsync_reports_and_self_checks():
     assert out[1].startswith("torch ") and "optree" in out[1]
     assert "gloo" in out[2]
     assert out[3].startswith("self-check ok:")
+    assert out[4] == "torch.compile: ok"  # CI's torch 2.13 traces any optree
+
+
+def test_python_m_fsync_says_when_this_torch_cannot_compile_fsync(monkeypatch):
+    from fsync import __main__ as cli
+    from fsync import _tree
+
+    found = _tree.compile_problem("2.11.0+cu130", "0.20.0")
+    monkeypatch.setattr(_tree, "compile_problem", lambda: found)
+    assert cli._compile_check() == (False, f"torch.compile: FAILS here: {found}")
 
 
 def _public() -> list[tuple[str, object]]:
