@@ -259,12 +259,12 @@ def _on_rank_hook(name):
             found["cpu"].append(compare("", reference, out, out_cpu, tolerance=hook.tolerance))
         else:
             reference, per_bucket = hook.bucketwise
-            plan = fsync.plan_buckets(grads, **OPTIONS)
+            plan = on_gpu.plan(gpu_state)  # the sync's own buckets
             expected = fsync.unpack([per_bucket(b) for b in fsync.pack(grads, plan)], plan)
             found["ddp"].append(compare("", reference, out, expected))
         reference = "GradSync on torch.func.grad's gradients, on CUDA"
         found["call"].append(compare("", reference, out_call, out))
-        if ddp is not None and hook.ddp is not None:
+        if ddp is not None:
             reference = f"DDP with {hook.ddp[0]}"
             found["ddp"].append(compare("", reference, out, _ddp_grads(ddp, batch)))
     checks = {
