@@ -1,18 +1,21 @@
 """Gloo worlds on loopback for the test suite.
 
-A :class:`World` is ``size`` spawned processes that joined one gloo process
+A :class:`World` is ``size`` processes that joined one gloo process
 group and wait for work. ``world.run(fn, *args)`` runs a module-level function
 on every rank and returns the per-rank results; an exception on any rank
 fails the call with that rank's traceback, and a rank that does not answer
 within the timeout gets the whole world killed (no test can hang the suite).
-Worlds are reused across tests, so each process imports torch, joins the group
-and keeps its compiled code only once.
+Worlds are reused across tests, so each process joins the group and keeps its
+compiled code only once. Ranks are forked from a server that imported torch, its
+compiler and fsync once for the whole session (``multiprocessing``'s forkserver), so a
+world costs a fork and a gloo rendezvous, not an interpreter importing torch per rank.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import gc
 import multiprocessing as mp
 import os
@@ -26,6 +29,20 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 DEFAULT_TIMEOUT = 180.0
+# What the ranks' server imports once: torch, dynamo's and inductor's modules (they halve a
+# process's first compile) and fsync. None of them starts a thread a fork could catch
+# holding a lock (benchmarks/harness.py forks its settings' ranks from the same list).
+_PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch._functorch.aot_autograd",
+    "torch._inductor.codecache",
+    "torch._inductor.compile_fx",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "fsync",
+    "tests._world",
+)
 
 
 class RankFailedError(AssertionError):
@@ -36,6 +53,9 @@ def _worker(rank: int, size: int, init_file: str, pg_timeout: float, conn: Conne
     import torch
     import torch.distributed as dist
 
+    # What the server imported stays alive: out of the collector's way, so that a collection
+    # walks the tests' objects only, not torch's and inductor's millions.
+    gc.freeze()
     # Ranks share two cores: one intra-op thread each keeps them from fighting.
     torch.set_num_threads(1)
     # Warnings are errors, as in the pytest process; torch's own deprecation notices
@@ -75,14 +95,23 @@ def _worker(rank: int, size: int, init_file: str, pg_timeout: float, conn: Conne
     os._exit(0)
 
 
+@functools.cache
+def _context() -> Any:
+    """The forkserver the ranks start from, preloaded with :data:`_PRELOAD` (read once, as
+    the server starts)."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(_PRELOAD))
+    return context
+
+
 class World:
-    """``size`` gloo ranks in spawned processes, ready to run functions."""
+    """``size`` gloo ranks in processes of their own, ready to run functions."""
 
     def __init__(self, size: int, *, pg_timeout: float = 60.0, start_timeout: float = 120.0):
         self.size = size
         self._dir = tempfile.TemporaryDirectory(prefix="fsync-world-")
         init_file = os.path.join(self._dir.name, "init")
-        context = mp.get_context("spawn")
+        context = _context()
         self._conns: list[Connection] = []
         self._procs: list[Any] = []
         for rank in range(size):
