@@ -689,75 +689,6 @@ def test_clear_errors(world: World):
 # --- compile: the overlapped call, one reduce-scatter and one all-gather per bucket -------------
 
 
-def _on_rank_compiled(shard_buckets):
-    rank = dist.get_rank()
-    params = params_of(ref_model())
-    lr = torch.tensor(1e-2, dtype=torch.float64)
-    step = fsync.ops.zero(fsync.optim.adamw(lr), shard_buckets=shard_buckets, **SMALL)
-    # The overlapped call, compiled, over a loss whose gradient inductor computes exactly
-    # as eager does (_linear_loss: the coefficients, rounded once), so that the compiled
-    # and the eager run differ only in the AdamW arithmetic. Inductor with fsync.compile's
-    # overlap passes, which move collectives: in the owner mode the ranks' graphs differ
-    # (an owner updates its bucket, the others do not), and a broadcast with nothing to
-    # wait for once moved ahead of the all-reduces on the receiving ranks alone, so that
-    # the ranks hung in mismatched collectives (test_compiled_overlapped_call_on_three_ranks
-    # has three steps in one graph, where an opaque op of broadcasts gave wrong numbers).
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return compile_fx(gm, example_inputs, config_patches=fsync._compile.OVERLAP_OPTIONS)
-
-    call = step.value_and_step(_linear_loss)
-    compiled = torch.compile(call, fullgraph=True, backend=backend)
-    eager_params = compiled_params = params
-    eager_state = compiled_state = step.init(eager_params)
-    for s in range(3):
-        lr.fill_(1e-2 / (s + 1))
-        g = torch.Generator().manual_seed(10 * s + rank)
-        coefficients = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
-        (eager_params, _), eager_state = call(eager_state, eager_params, coefficients)
-        with torch._dynamo.config.patch(error_on_recompile=s > 0):
-            (compiled_params, value), compiled_state = compiled(
-                compiled_state, compiled_params, coefficients
-            )
-        assert value.dim() == 0
-    collectives = [
-        str(n.target)
-        for n in graphs[-1].graph.nodes
-        if n.op == "call_function"
-        and ("c10d" in str(n.target) or "fsync.broadcasts" in str(n.target))
-    ]
-    n_buckets = len(step.layout(eager_state).plan.buckets)
-    count = {
-        kind: sum(kind in c for c in collectives)
-        for kind in ("reduce_scatter", "all_gather", "all_to_all", "all_reduce", "broadcast")
-    }
-    if shard_buckets:
-        # On gloo fsync's comm module composes a reduce-scatter from an all-to-all and
-        # a local sum (gloo's own is slower, see _comm.on_gloo), and a compiled
-        # all-gather from an all-to-all of the shard repeated (see _comm.all_gather).
-        expected = {"all_to_all": 2 * n_buckets}
-    else:  # each owner's broadcast, received into the reduced bucket on the other ranks
-        expected = {"all_reduce": n_buckets, "broadcast": n_buckets}
-    assert count == {**dict.fromkeys(count, 0), **expected}, collectives
-    assert int(compiled_state.opt.step) == 3
-    for k in eager_params:
-        # Same gradients, so only the AdamW arithmetic differs: inductor keeps a
-        # parameter's intermediates in registers and may contract multiply-adds,
-        # where eager rounds after every operation. The parameters round once per
-        # step in both: at most about one ulp of their scale per step.
-        ulp = torch.finfo(torch.float32).eps * eager_params[k].abs().max()
-        diff = (compiled_params[k] - eager_params[k]).abs().max()
-        assert diff <= 3 * ulp, (k, diff / ulp)
-
-
-@pytest.mark.parametrize("world", [2], indirect=True)
-def test_compiled_overlapped_call(world: World):
-    world.run(_on_rank_compiled, True, timeout=400)
-    world.run(_on_rank_compiled, False, timeout=400)
-
-
 def _mixed_tree():
     """Parameters of four dtypes and layouts, and a None leaf (the same on every rank)."""
     g = torch.Generator().manual_seed(0)
@@ -772,42 +703,85 @@ def _cloned(tree):
     return {k: None if v is None else v.clone() for k, v in tree.items()}
 
 
+def _collectives(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """How many of each collective ``gm`` calls (fsync's broadcasts op included)."""
+    names = [
+        str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and ("c10d" in str(n.target) or "fsync.broadcasts" in str(n.target))
+    ]
+    kinds = ("reduce_scatter", "all_gather", "all_to_all", "all_reduce", "broadcast")
+    return {kind: sum(kind in name for name in names) for kind in kinds}
+
+
 def _on_rank_compiled_mixed(shard_buckets):
     """SGD, Adam and AdamW through the overlapped call on three ranks (padded shards), four
-    dtypes, a None leaf, several buckets: compiled (one graph for the three) against eager."""
+    dtypes, a None leaf, several buckets: compiled (one graph for the three) against eager,
+    AdamW's learning rate a tensor changed every step without a recompile."""
     rank = dist.get_rank()
     params = _mixed_tree()
+    lr = torch.tensor(0.1, dtype=torch.float64)
     optimizers = (
         fsync.optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
         fsync.optim.adam(0.1, weight_decay=0.01),
-        fsync.optim.adamw(0.1),
+        fsync.optim.adamw(lr),
     )
     steps = [fsync.ops.zero(o, shard_buckets=shard_buckets, **SMALL) for o in optimizers]
-    assert len(steps[0].layout(steps[0].init(params)).plan.buckets) >= 3
+    n_buckets = [len(step.layout(step.init(params)).plan.buckets) for step in steps]
+    assert n_buckets[0] >= 3
     calls = [step.value_and_step(_linear_loss) for step in steps]
 
     def three(pairs, coefficients):
         """Each optimizer's step on its own parameters."""
         out = []
         for call, (p, state) in zip(calls, pairs, strict=True):
-            (new, _), state = call(state, p, coefficients)
-            out.append((new, state))
+            (new, value), state = call(state, p, coefficients)
+            out.append((new, state, value))
         return out
 
-    compiled = fsync.compile(three)
+    # fsync.compile's inductor settings, through a backend that keeps the graph it compiles.
+    # The overlap passes move collectives: in the owner mode the ranks' graphs differ (an
+    # owner updates its bucket, the others do not), and a broadcast with nothing to wait for
+    # once moved ahead of the all-reduces on the receiving ranks alone, so that the ranks
+    # hung in mismatched collectives; an opaque op of broadcasts gave wrong numbers here.
+    graphs = []
+    options = {"post_grad_custom_post_pass": fsync._compile.ScaleBeforeConcat()}
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        patches = {**options, **fsync._compile.OVERLAP_OPTIONS}
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    compiled = torch.compile(three, fullgraph=True, dynamic=False, backend=backend)
     # Each optimizer's own copy: the compiled step is guarded on its inputs' identities.
-    eager = ours = [(_cloned(params), step.init(params)) for step in steps]
+    eager = [(_cloned(params), step.init(params)) for step in steps]
+    ours = list(eager)
     for s in range(3):
+        lr.fill_(0.1 / (s + 1))
         g = torch.Generator().manual_seed(100 * s + rank)
         coefficients = {
             k: None if v is None else torch.randn(v.shape, generator=g) for k, v in params.items()
         }
-        eager = three(eager, coefficients)
+        eager = [(p, state) for p, state, _ in three(eager, coefficients)]
         with torch._dynamo.config.patch(error_on_recompile=s > 0):
-            ours = compiled(ours, coefficients)
-    for (expected, e_state), (got, state) in zip(eager, ours, strict=True):
+            out = compiled(ours, coefficients)
+        assert all(value.dim() == 0 for _, _, value in out)
+        ours = [(p, state) for p, state, _ in out]
+    # The graph the steps ran: the last one compiled (with a cold inductor cache dynamo
+    # handed the backend a first graph without collectives too).
+    count = _collectives(graphs[-1])
+    if shard_buckets:
+        # On gloo fsync's comm module composes a reduce-scatter from an all-to-all and a
+        # local sum (gloo's own is slower, see _comm.on_gloo), and a compiled all-gather
+        # from an all-to-all of the shard repeated (see _comm.all_gather).
+        expected = {"all_to_all": 2 * sum(n_buckets)}
+    else:  # each owner's broadcast, received into the reduced bucket on the other ranks
+        expected = {"all_reduce": sum(n_buckets), "broadcast": sum(n_buckets)}
+    assert count == {**dict.fromkeys(count, 0), **expected}, count
+    for (expected_, e_state), (got, state) in zip(eager, ours, strict=True):
         assert int(state.step) == int(e_state.step) == 3 and got["e"] is None
-        for k, p in expected.items():
+        for k, p in expected_.items():
             if p is None:
                 continue
             # The gradients are exact in both (_linear_loss), so only the optimizer's
