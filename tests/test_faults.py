@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 
@@ -41,21 +42,40 @@ def _missing_rank_1(message, world_size, stage, step):
     assert "Backend error:" in message
 
 
-@pytest.mark.parametrize("mode", ["skips", "dies"])
-def test_peer_that_never_syncs_fails_within_the_timeout(mode):
-    world = World(2, pg_timeout=PG_TIMEOUT)
-    results = world.run_unchecked(_on_rank_one_skips_sync, mode, timeout=60)
-    kind, value = results[0]
-    assert kind == "ok", value
-    elapsed, message = value
-    # gloo gives up after the group's timeout (or at once when the peer's socket closes);
-    # then the live rank waits up to REPORT_PATIENCE_S for the others' reports; the slack
-    # covers process scheduling on a loaded machine.
-    assert elapsed < PG_TIMEOUT + REPORT_PATIENCE_S + 20, elapsed
-    assert "process group's timeout" in message
-    # sync_grads keeps no step count: the sync is named by c10d's count of the group.
-    _missing_rank_1(message, 2, AGREEMENT, "in the sync begun at c10d collective #")
-    assert results[1] == (("died", 3) if mode == "dies" else ("ok", "skipped"))
+def _at_once(cases):
+    """``{key: (size, fn, arg)}``: each case's ``fn(arg)`` on a fresh world of ``size`` ranks
+    with the short group timeout, all cases at once (their waits for timeouts overlap);
+    ``{key: results}`` as ``World.run_unchecked`` gives them."""
+    worlds: dict[object, World] = {}
+    try:
+        for key, (size, _, _) in cases.items():
+            worlds[key] = World(size, pg_timeout=PG_TIMEOUT)
+    except BaseException:
+        for world in worlds.values():
+            world.close()
+        raise
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        futures = {
+            key: pool.submit(worlds[key].run_unchecked, fn, arg, timeout=60)
+            for key, (_, fn, arg) in cases.items()
+        }
+        return {key: future.result() for key, future in futures.items()}
+
+
+def test_peer_that_never_syncs_fails_within_the_timeout():
+    results = _at_once({mode: (2, _on_rank_one_skips_sync, mode) for mode in ("skips", "dies")})
+    for mode, (live, other) in results.items():
+        kind, value = live
+        assert kind == "ok", (mode, value)
+        elapsed, message = value
+        # gloo gives up after the group's timeout (or at once when the peer's socket
+        # closes); then the live rank waits up to REPORT_PATIENCE_S for the others'
+        # reports; the slack covers process scheduling on a loaded machine.
+        assert elapsed < PG_TIMEOUT + REPORT_PATIENCE_S + 20, (mode, elapsed)
+        assert "process group's timeout" in message
+        # sync_grads keeps no step count: the sync is named by c10d's count of the group.
+        _missing_rank_1(message, 2, AGREEMENT, "in the sync begun at c10d collective #")
+        assert other == (("died", 3) if mode == "dies" else ("ok", "skipped"))
 
 
 def _on_rank_one_stops_after_steps(mode):
@@ -79,28 +99,31 @@ def _on_rank_one_stops_after_steps(mode):
     return time.monotonic() - started, str(error.value)
 
 
-@pytest.mark.parametrize("size", [2, 3])
-@pytest.mark.parametrize("mode", ["skips", "dies"])
-def test_peer_that_stops_in_the_steady_state_fails_within_the_timeout(mode, size):
-    world = World(size, pg_timeout=PG_TIMEOUT)
-    results = world.run_unchecked(_on_rank_one_stops_after_steps, mode, timeout=60)
-    for rank in (r for r in range(size) if r != 1):
-        kind, value = results[rank]
-        assert kind == "ok", value
-        elapsed, message = value
-        assert "process group's timeout" in message
-        _missing_rank_1(message, size, AGREEMENT, "in step 3 of its state")
-        if mode == "skips":
-            # A live peer that never answers: gloo waits out the group's timeout (measured:
-            # 4.00-4.01 s), then the rank waits REPORT_PATIENCE_S for rank 1's report, which
-            # never comes. The 3 s above cover the rank's scheduling on two loaded cores.
-            low = PG_TIMEOUT + REPORT_PATIENCE_S - 0.5
-            assert low < elapsed < PG_TIMEOUT + REPORT_PATIENCE_S + 3, elapsed
-        else:
-            # A dead peer's sockets close: gloo fails as soon as rank 1 exits (its 0.5 s
-            # sleep), well before the timeout; then the wait for rank 1's report.
-            assert elapsed < PG_TIMEOUT / 2 + REPORT_PATIENCE_S, elapsed
-    assert results[1] == (("died", 3) if mode == "dies" else ("ok", "stopped"))
+def test_peer_that_stops_in_the_steady_state_fails_within_the_timeout():
+    cases = {
+        (mode, size): (size, _on_rank_one_stops_after_steps, mode)
+        for size in (2, 3)
+        for mode in ("skips", "dies")
+    }
+    for (mode, size), results in _at_once(cases).items():
+        for rank in (r for r in range(size) if r != 1):
+            kind, value = results[rank]
+            assert kind == "ok", (mode, size, value)
+            elapsed, message = value
+            assert "process group's timeout" in message
+            _missing_rank_1(message, size, AGREEMENT, "in step 3 of its state")
+            if mode == "skips":
+                # A live peer that never answers: gloo waits out the group's timeout
+                # (measured: 4.00-4.01 s), then the rank waits REPORT_PATIENCE_S for rank
+                # 1's report, which never comes. The 3 s above cover the rank's scheduling
+                # on two loaded cores.
+                low = PG_TIMEOUT + REPORT_PATIENCE_S - 0.5
+                assert low < elapsed < PG_TIMEOUT + REPORT_PATIENCE_S + 3, (mode, size, elapsed)
+            else:
+                # A dead peer's sockets close: gloo fails as soon as rank 1 exits (its
+                # 0.5 s sleep), well before the timeout; then the wait for rank 1's report.
+                assert elapsed < PG_TIMEOUT / 2 + REPORT_PATIENCE_S, (mode, size, elapsed)
+        assert results[1] == (("died", 3) if mode == "dies" else ("ok", "stopped"))
 
 
 def _on_rank_awkward_input():
