@@ -48,6 +48,7 @@ import torch._inductor.config
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
+_FAILED = "failed"  # the store's key of the first failure: "setting ..., rank ...: ..."
 _POLL_S = 0.05  # how long the coordinator sleeps at most between looks for a key
 _WAIT = datetime.timedelta(hours=12)  # a rank waits this long for its turn
 _MMAP_THRESHOLD = -3  # glibc's M_MMAP_THRESHOLD for mallopt
@@ -198,13 +199,15 @@ def turns(
     names = [s.name for s in settings]
 
     def watch() -> None:
+        # The first failure, as its rank wrote it before exiting (a rank whose collective then
+        # failed for want of it exits too, maybe before this looks); else an exit with none.
+        if store.check([_FAILED]):
+            raise RuntimeError(str(store.get(_FAILED).decode()))
         for job, process in zip(jobs, processes, strict=True):
             if process.exitcode not in (None, 0):
                 message = f"setting {names[job.world]!r}, rank {job.rank}: exit {process.exitcode}"
-                store.set("failed", message)
+                store.set(_FAILED, message)
                 raise RuntimeError(message)
-        if store.check(["failed"]):
-            raise RuntimeError(str(store.get("failed").decode()))
 
     try:
         if coordinator:
@@ -329,6 +332,18 @@ def _rank(job: _Job, options: _Options) -> None:
     if options.follow_rss:
         ctypes.CDLL("libc.so.6").mallopt(_MMAP_THRESHOLD, 65536)
     store = TCPStore(job.host, job.port, is_master=False, timeout=_WAIT)
+    try:
+        _turns(job, options, store)
+    except Exception as error:
+        # Said before this process exits, so that the failure the page reports is this one
+        # and not a peer's collective that failed because this rank was gone.
+        name = job.setting.name
+        store.compare_set(_FAILED, "", f"setting {name!r}, rank {job.rank}: {error!r}")
+        raise
+
+
+def _turns(job: _Job, options: _Options, store: TCPStore) -> None:
+    """A rank's world built, warmed up and through its turns (as the store says)."""
     k, rank = job.world, job.rank
     store.wait([f"build/{k}"])
     if options.backend == "nccl":
