@@ -57,8 +57,9 @@ _MMAP_THRESHOLD = -3  # glibc's M_MMAP_THRESHOLD for mallopt
 _BUILDING = 2
 # Imported once by the server the processes fork from. Dynamo's and inductor's own modules
 # halve what a process's first compile costs (3.6 -> 1.7 s for a one-line function here);
-# importing them starts no thread that a fork could catch holding a lock.
-_PRELOAD = (
+# importing them starts no thread that a fork could catch holding a lock. The test suite's
+# gloo worlds (tests/_world.py) fork their ranks from a server preloaded the same way.
+PRELOAD = (
     "torch",
     "torch._dynamo",
     "torch._functorch.aot_autograd",
@@ -309,7 +310,7 @@ def _context(settings: Sequence[Setting]) -> Any:
     """
     context = multiprocessing.get_context("forkserver")
     main = getattr(sys.modules["__main__"].__spec__, "name", None)
-    modules = {*_PRELOAD, "__main__" if main is None else main}
+    modules = {*PRELOAD, "__main__" if main is None else main}
     # The preload is read once, as the server starts: every page module the caller has, so
     # that the later rounds' builders (another page's) are not imported child by child.
     modules |= {name for name in sys.modules if name.split(".")[0] == __package__}

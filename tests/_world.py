@@ -28,21 +28,13 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from benchmarks.harness import PRELOAD
+
 DEFAULT_TIMEOUT = 180.0
-# What the ranks' server imports once: torch, dynamo's and inductor's modules (they halve a
-# process's first compile) and fsync. None of them starts a thread a fork could catch
-# holding a lock (benchmarks/harness.py forks its settings' ranks from the same list).
-_PRELOAD = (
-    "torch",
-    "torch._dynamo",
-    "torch._functorch.aot_autograd",
-    "torch._inductor.codecache",
-    "torch._inductor.compile_fx",
-    "torch.distributed",
-    "torch.nn.parallel",
-    "fsync",
-    "tests._world",
-)
+# What the ranks' server imports once: the harness's list (torch, dynamo's and inductor's
+# modules, which halve a process's first compile, and fsync; none starts a thread a fork
+# could catch holding a lock), and this module.
+_PRELOAD = (*PRELOAD, "tests._world")
 
 
 class RankFailedError(AssertionError):
