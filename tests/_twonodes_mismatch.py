@@ -12,6 +12,7 @@ pipe, and their lines can interleave mid-line there.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 
@@ -37,9 +38,17 @@ def main(out: pathlib.Path) -> int:
     else:
         said, code = "no error", 1
     (out / f"rank{rank}").write_text(said)
+    dist.barrier()  # no rank leaves while another still talks to it
     dist.destroy_process_group()
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main(pathlib.Path(sys.argv[1])))
+    code = main(pathlib.Path(sys.argv[1]))
+    # Nothing is left to do: skip the interpreter's teardown, in which a rank once died of
+    # "terminate called without an active exception" (SIGABRT, a C++ thread of torch's
+    # destroyed unjoined) after writing its file, failing its node's torchrun and so the
+    # other node's exit barrier (CI, 2026-11-27).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
