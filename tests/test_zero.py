@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import re
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._inductor.compile_fx import compile_fx
+from torch._inductor.utils import run_and_get_code
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -703,16 +704,15 @@ def _cloned(tree):
     return {k: None if v is None else v.clone() for k, v in tree.items()}
 
 
-def _collectives(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """How many of each collective ``gm`` calls (fsync's broadcasts op included)."""
-    names = [
-        str(n.target)
-        for n in gm.graph.nodes
-        if n.op == "call_function"
-        and ("c10d" in str(n.target) or "fsync.broadcasts" in str(n.target))
-    ]
+# A collective's call in inductor's code (not the size and alignment checks that name it).
+_CALL = re.compile(r"^\s*(?:\w+ = )?torch\.ops\.(?:_c10d_functional|fsync)\.(\w+)\.default\(")
+
+
+def _collectives(code: str) -> dict[str, int]:
+    """How many of each collective inductor's ``code`` issues (fsync's broadcasts op included)."""
+    calls = [m.group(1) for m in map(_CALL.match, code.splitlines()) if m]
     kinds = ("reduce_scatter", "all_gather", "all_to_all", "all_reduce", "broadcast")
-    return {kind: sum(kind in name for name in names) for kind in kinds}
+    return {kind: sum(call.startswith(kind) for call in calls) for kind in kinds}
 
 
 def _on_rank_compiled_mixed(shard_buckets):
@@ -740,20 +740,11 @@ def _on_rank_compiled_mixed(shard_buckets):
             out.append((new, state, value))
         return out
 
-    # fsync.compile's inductor settings, through a backend that keeps the graph it compiles.
-    # The overlap passes move collectives: in the owner mode the ranks' graphs differ (an
-    # owner updates its bucket, the others do not), and a broadcast with nothing to wait for
-    # once moved ahead of the all-reduces on the receiving ranks alone, so that the ranks
-    # hung in mismatched collectives; an opaque op of broadcasts gave wrong numbers here.
-    graphs = []
-    options = {"post_grad_custom_post_pass": fsync._compile.ScaleBeforeConcat()}
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        patches = {**options, **fsync._compile.OVERLAP_OPTIONS}
-        return compile_fx(gm, example_inputs, config_patches=patches)
-
-    compiled = torch.compile(three, fullgraph=True, dynamic=False, backend=backend)
+    # fsync.compile's overlap passes move collectives: in the owner mode the ranks' graphs
+    # differ (an owner updates its bucket, the others do not), and a broadcast with nothing
+    # to wait for once moved ahead of the all-reduces on the receiving ranks alone, so that
+    # the ranks hung in mismatched collectives; an opaque op of broadcasts gave wrong numbers.
+    compiled = fsync.compile(three)
     # Each optimizer's own copy: the compiled step is guarded on its inputs' identities.
     eager = [(_cloned(params), step.init(params)) for step in steps]
     ours = list(eager)
@@ -765,12 +756,13 @@ def _on_rank_compiled_mixed(shard_buckets):
         }
         eager = [(p, state) for p, state, _ in three(eager, coefficients)]
         with torch._dynamo.config.patch(error_on_recompile=s > 0):
-            out = compiled(ours, coefficients)
+            if s == 0:  # compiles: inductor's code kept, to read the collectives off
+                out, code = run_and_get_code(compiled, ours, coefficients)
+            else:
+                out = compiled(ours, coefficients)
         assert all(value.dim() == 0 for _, _, value in out)
         ours = [(p, state) for p, state, _ in out]
-    # The graph the steps ran: the last one compiled (with a cold inductor cache dynamo
-    # handed the backend a first graph without collectives too).
-    count = _collectives(graphs[-1])
+    count = _collectives(code[-1])
     if shard_buckets:
         # On gloo fsync's comm module composes a reduce-scatter from an all-to-all and a
         # local sum (gloo's own is slower, see _comm.on_gloo), and a compiled all-gather
