@@ -28,6 +28,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import torch
+
 from benchmarks.harness import PRELOAD
 
 DEFAULT_TIMEOUT = 180.0
@@ -90,7 +92,14 @@ def _worker(rank: int, size: int, init_file: str, pg_timeout: float, conn: Conne
 @functools.cache
 def _context() -> Any:
     """The forkserver the ranks start from, preloaded with :data:`_PRELOAD` (read once, as
-    the server starts)."""
+    the server starts); on a machine with a GPU, fresh interpreters (spawn) instead.
+
+    A process forked from one that has touched the CUDA driver cannot use CUDA, and the
+    preloaded imports do (the CUDA tests' ranks all failed on an H200, 2026-11-27); the
+    GPU check (``benchmarks/gpu.py``) runs few worlds, so the slower start costs little.
+    """
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(_PRELOAD))
     return context
