@@ -522,6 +522,20 @@ def like(tree: Any, /) -> Any:
     )
 
 
+def like_of_spec(leaf: LeafSpec | None) -> torch.Tensor | SparseLike | None:
+    """The leaf ``like`` makes of a tensor, from its plan's spec of it (metadata only)."""
+    if leaf is None:
+        return None
+    if leaf.sparse:
+        return SparseLike(leaf.shape, leaf.sparse_dim, leaf.dtype, leaf.device)
+    strides = [0] * len(leaf.shape)
+    step = 1
+    for d in reversed(leaf.perm):
+        strides[d] = step
+        step *= max(leaf.shape[d], 1)
+    return torch.empty_strided(leaf.shape, strides, dtype=leaf.dtype, device="meta")
+
+
 def zeros_of(held: Any, device: torch.device, /) -> Any:
     """Zeros with the shapes, strides and dtypes of a tree that ``like`` made, on ``device``."""
     return optree.tree_map(

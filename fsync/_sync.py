@@ -21,7 +21,7 @@ from fsync import _checks, _comm, _grad, _planner, _tree
 from fsync._agree import planned, refuse, verify_plan
 from fsync._hook import Hook
 from fsync._options import OptionKeywords, SyncOptions
-from fsync._plan import BucketPlan, LeafSpec
+from fsync._plan import BucketPlan
 from fsync._reduce import (
     Reduced,
     check_sparse,
@@ -164,9 +164,13 @@ class GradSync:
         """The hook in use (the default filled in when none was given)."""
         return hook_of(self.options)
 
-    def plan(self, state: SyncState, /) -> BucketPlan:
-        """The bucket plan of ``state`` (made by [init][fsync.GradSync.init])."""
-        return _fit(self, None, state).plan
+    def plan(self, state: SyncState, /, *, device: torch.device | str | None = None) -> BucketPlan:
+        """The bucket plan of ``state`` (made by [init][fsync.GradSync.init]), its buckets on
+        ``device``. The state keeps the tree's metadata but not its device: by default the
+        group's (CPU for gloo, the current GPU for NCCL); name the gradients' where they
+        live elsewhere (CUDA tensors synced over gloo)."""
+        where = None if device is None else torch.device(device)
+        return _fit(self, None, state, device=where).plan
 
     def _fit_argument(self, tree: Any, state: SyncState) -> _planner.Planned:
         return _fit(self, tree, state, what="argument")
@@ -299,8 +303,15 @@ def _expected(sync: GradSync, grads: Any, state: Any) -> Any:
     return _planner.zeros_of(state.like, _comm.default_device(sync.group))
 
 
-def _fit(sync: GradSync, grads: Any, state: SyncState, what: str = "grads") -> _planner.Planned:
-    """``grads`` fitted to the plan of ``state`` (rebuilt from its ``like`` tree)."""
+def _fit(
+    sync: GradSync,
+    grads: Any,
+    state: SyncState,
+    what: str = "grads",
+    device: torch.device | None = None,
+) -> _planner.Planned:
+    """``grads`` fitted to the plan of ``state`` (rebuilt from its ``like`` tree); without
+    a tensor leaf in ``grads``, the plan is on ``device`` (the group's if ``None``)."""
     if not isinstance(state, SyncState):
         raise TypeError(
             f"state is a {type(state).__name__}; expected the SyncState returned by "
@@ -311,7 +322,7 @@ def _fit(sync: GradSync, grads: Any, state: SyncState, what: str = "grads") -> _
         state.like,
         sync.options.plan,
         what=what,
-        default_device=lambda: _comm.default_device(sync.group),
+        default_device=lambda: device or _comm.default_device(sync.group),
     )
 
 
@@ -320,7 +331,9 @@ def _init_plan(options: SyncOptions, tree: Any) -> tuple[Any, BucketPlan]:
     given = tree if isinstance(tree, BucketPlan) else None
     device = None
     if given is not None:
-        tree = _tree.unflatten(given.treespec, [_meta_of(leaf) for leaf in given.leaves])
+        tree = _tree.unflatten(
+            given.treespec, [_planner.like_of_spec(leaf) for leaf in given.leaves]
+        )
         device = given.specs[0].device if given.specs else None
     plan = _planner.plan_tree(tree, options.plan, what="tree", device=device).plan
     if given is not None and given != plan:
@@ -330,17 +343,3 @@ def _init_plan(options: SyncOptions, tree: Any) -> tuple[Any, BucketPlan]:
             "reduce_dtype=plan.reduce_dtype), and init it with the parameters."
         )
     return tree, plan
-
-
-def _meta_of(leaf: LeafSpec | None) -> torch.Tensor | _planner.SparseLike | None:
-    """A tensor holding a leaf spec's metadata only (as ``like`` makes)."""
-    if leaf is None:
-        return None
-    if leaf.sparse:
-        return _planner.SparseLike(leaf.shape, leaf.sparse_dim, leaf.dtype, leaf.device)
-    strides = [0] * len(leaf.shape)
-    step = 1
-    for d in reversed(leaf.perm):
-        strides[d] = step
-        step *= max(leaf.shape[d], 1)
-    return torch.empty_strided(leaf.shape, strides, dtype=leaf.dtype, device="meta")

@@ -259,7 +259,7 @@ def _on_rank_hook(name):
             found["cpu"].append(compare("", reference, out, out_cpu, tolerance=hook.tolerance))
         else:
             reference, per_bucket = hook.bucketwise
-            plan = on_gpu.plan(gpu_state)  # the sync's own buckets
+            plan = on_gpu.plan(gpu_state, device=device)  # the sync's own buckets
             expected = fsync.unpack([per_bucket(b) for b in fsync.pack(grads, plan)], plan)
             found["ddp"].append(compare("", reference, out, expected))
         reference = "GradSync on torch.func.grad's gradients, on CUDA"
@@ -297,6 +297,10 @@ def _on_rank_zero():
         step = fsync.ops.zero(fsync.optim.adamw(**ADAMW), shard_buckets=shard_buckets, **OPTIONS)
         params = params_of(model)
         state = step.init(params)
+        # The overlapped call: each bucket reduced, updated and gathered as backward
+        # completes it, the update on the GPU while autograd still runs.
+        overlapped, overlapped_state = params_of(model), step.init(params_of(model))
+        value_and_step = step.value_and_step(loss_fn)
         adamw = fsync.optim.adamw(**ADAMW)
         whole = params_of(model)
         whole_state = adamw.init(whole)
@@ -307,6 +311,7 @@ def _on_rank_zero():
         for s in range(STEPS):
             batch = _batch(rank, s, device)
             params, state = step(params, torch.func.grad(loss_fn)(params, batch), state)
+            (overlapped, _), overlapped_state = value_and_step(overlapped_state, overlapped, batch)
             synced = fsync.sync_grads(torch.func.grad(loss_fn)(whole, batch))
             whole, whole_state = adamw.update(whole, synced, whole_state)
             torch_zero.zero_grad(set_to_none=True)
@@ -314,6 +319,9 @@ def _on_rank_zero():
             torch_zero.step()
         reference = "fsync.sync_grads, then fsync.optim.adamw on every parameter"
         rows.append(compare(f"ZeRO step, {layout}, {STEPS} steps", reference, params, whole))
+        reference = "the ZeRO step on torch.func.grad's gradients"
+        check = f"ZeroStep.value_and_step, {layout}, {STEPS} steps"
+        rows.append(compare(check, reference, overlapped, params))
         # CUDA's addcdiv kernel computes p + v * (m / d) in one expression (a fused
         # multiply-add where the compiler makes one); fsync.optim spells out (m * v) / d + p,
         # as torch's CPU kernel rounds it (its v is a tensor, which addcdiv does not take).

@@ -240,6 +240,14 @@ def _on_rank_gradsync():
         sync({k: v for k, v in grads.items() if k != "head.bias"}, state)
     # The object keeps settings only: it plans any tree, each state its own.
     assert sync.plan(sync.init({"x": torch.zeros(3)})).num_leaves == 1
+    # The state keeps no device: the plan is on the group's (gloo: CPU) unless named, as
+    # for CUDA tensors synced over gloo (the plan pack() of such gradients needs).
+    assert {spec.device for spec in plan.specs} == {torch.device("cpu")}
+    elsewhere = sync.plan(state, device="meta")
+    on_meta = {k: v.to("meta") for k, v in params.items()}
+    assert elsewhere == fsync.plan_buckets(on_meta, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+    assert {spec.device for spec in elsewhere.specs} == {torch.device("meta")}
+    assert fsync.pack(on_meta, elsewhere)[0].device == torch.device("meta")
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)
