@@ -57,7 +57,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_page import Outcome, render  # noqa: E402
+from benchmarks.gpu_page import SHIPPED, Outcome, render  # noqa: E402
 
 PAGE = "benchmarks-gpu.md"
 CUDA_TESTS = ("tests/test_cuda.py", "tests/test_cuda_streams.py")
@@ -72,14 +72,15 @@ class Part(NamedTuple):
     needs_cuda: bool = True
 
 
-# The limits add up to 7 5/6 minutes. On an H100 (2026-11-27) the parts took 4.6 minutes in
-# all: the tests 139 s (89 of them compiling examples/train.py over NCCL), the kernels 34 s,
-# the GPT 99 s (its step compiled twice: fsync's and DDP's).
+# The limits add up to 9 1/6 minutes. On an H100 (2026-11-27) the parts took 4.6 minutes in
+# all: the tests 139 s (89 of them compiling examples/train.py over NCCL), the kernels 34 s
+# (one variant then; three took 67 s on an H200), the GPT 99 s (its step compiled twice:
+# fsync's and DDP's; a third compile now).
 PARTS = (
     Part("environment", 30, needs_cuda=False),
-    Part("tests", 220),
-    Part("kernels", 60),
-    Part("gpt", 160),
+    Part("tests", 180),
+    Part("kernels", 120),
+    Part("gpt", 220),
 )
 NO_CUDA = "no CUDA device"
 
@@ -236,6 +237,17 @@ def _output(command: list[str]) -> str:
 MEAN_OF = 2
 PROFILED_CALLS = 20
 BUCKET_MB = 25.0
+# Inductor options tried beside fsync.compile's own ("as shipped"). On a GPU a bucket of more
+# leaves than ``max_pointwise_cat_inputs`` (8) is packed by one copy kernel per leaf (a
+# higher limit changed nothing on an H200, 2026-11-27); combo kernels launch independent
+# kernels (the copies) as one, at most ``combo_kernel_max_num_nodes`` (8) in each.
+COMBO = {"combo_kernels": True}
+COMBO_64 = {"combo_kernels": True, "combo_kernel_max_num_nodes": 64}
+PACK_VARIANTS: dict[str, dict[str, Any]] = {
+    SHIPPED: {},
+    "combo kernels": COMBO,
+    "combo kernels, 64 a kernel": COMBO_64,
+}
 
 
 def classify(name: str, activity: str | None) -> str | None:
@@ -302,23 +314,34 @@ def part_kernels(save: Save) -> None:
     for make in (models.mlp, models.deep_mlp, models.gpt):
         work = make()
         for dtype in (torch.float32, torch.bfloat16):
-            torch._dynamo.reset()  # each tree compiles as in a fresh process
-            try:
-                rows.append(_kernels_of(work, dtype, torch.device("cuda", 0)))
-            except Exception:
-                rows.append(
-                    {"tree": work.name, "dtype": str(dtype), "error": traceback.format_exc()}
-                )
-            save(found)
+            for variant in _known(PACK_VARIANTS):
+                torch._dynamo.reset()  # each tree compiles as in a fresh process
+                try:
+                    rows.append(_kernels_of(work, dtype, torch.device("cuda", 0), variant))
+                except Exception:
+                    error = traceback.format_exc()
+                    rows.append(
+                        {"tree": work.name, "dtype": str(dtype), "variant": variant, "error": error}
+                    )
+                save(found)
 
 
-def _kernels_of(work: Any, dtype: Any, device: Any) -> dict[str, Any]:
+def _known(variants: dict[str, dict[str, Any]]) -> list[str]:
+    """The variants whose options this torch's inductor has (``combo_kernel_max_num_nodes``
+    is newer than torch 2.11, which the lent GPUs run)."""
+    from torch._inductor import config
+
+    return [name for name, options in variants.items() if all(hasattr(config, k) for k in options)]
+
+
+def _kernels_of(work: Any, dtype: Any, device: Any, variant: str = SHIPPED) -> dict[str, Any]:
     """The compiled halves of the sync of a gradient tree shaped like ``work``'s parameters.
 
     Pack + scale is what the compiled sync does before the collective (``fsync.pack``
     and the mean's ``1/world_size``, which ``fsync.compile`` folds into the pack);
     unpack is what it does after (``fsync.unpack`` of the reduced buckets). The
-    collective itself is left out: it is the wire's, not fsync's.
+    collective itself is left out: it is the wire's, not fsync's. ``variant`` names the
+    inductor options (``PACK_VARIANTS``) given to ``fsync.compile`` on top of its own.
     """
     import torch
 
@@ -340,7 +363,9 @@ def _kernels_of(work: Any, dtype: Any, device: Any) -> dict[str, Any]:
     def unpack(buffers: list[torch.Tensor]) -> Any:
         return fsync.unpack(buffers, plan)
 
-    compiled_pack, compiled_unpack = fsync.compile(pack_and_scale), fsync.compile(unpack)
+    options = PACK_VARIANTS[variant]
+    compiled_pack = fsync.compile(pack_and_scale, options=options)
+    compiled_unpack = fsync.compile(unpack, options=options)
     started = time.perf_counter()
     buffers = compiled_pack(grads)
     leaves = compiled_unpack(buffers)
@@ -353,6 +378,7 @@ def _kernels_of(work: Any, dtype: Any, device: Any) -> dict[str, Any]:
     return {
         "tree": work.name,
         "dtype": str(dtype).removeprefix("torch."),
+        "variant": variant,
         "leaves": len(grads),
         "buckets": len(sizes),
         "bucket_mib": [min(sizes) / 2**20, max(sizes) / 2**20],
@@ -453,6 +479,9 @@ def _gpt_steps(work: Any, batches: list[Any], device: Any) -> dict[str, Any]:
         graphs.append(counters["stats"]["unique_graphs"])
     breaks = sum(counters["graph_break"].values())
     calls["fsync.compile, whole step"] = compiled
+    # Combo kernels on the whole step (the pack's fewer launches): do they cost the rest?
+    combo = functional(fsync.compile(train_step, options=COMBO))
+    calls["fsync.compile, whole step, combo kernels"] = combo
     return {
         "ms": interleaved_ms(calls, device),
         "graphs_after_step": graphs,

@@ -153,6 +153,10 @@ def _kernel_row(tree: str, smallest_mib: float, unpack_kernels: float) -> dict:
     }
 
 
+_SLOW_PACK = {"kernels": 60.0, "copies": 0.0, "us": 250.0}
+_LONG = "Traceback\nRuntimeError: Unexpected optimization option x, known options are " + "y" * 999
+
+
 def _outcomes(tests_status: str = "ok", gpt_ran: bool = True) -> dict:
     tests = [
         {"test": "tests/test_cuda.py::test_a", "outcome": "passed", "seconds": 1.0, "message": ""},
@@ -167,7 +171,10 @@ def _outcomes(tests_status: str = "ok", gpt_ran: bool = True) -> dict:
         "rows": [
             _kernel_row("MLP", 8.0, 0.0),
             _kernel_row("GPT", 1.0, 2.0),
+            # A trial beside the shipped settings: shown, but no target reads it.
+            {**_kernel_row("MLP", 8.0, 0.0), "variant": "combo kernels", "pack": _SLOW_PACK},
             {"tree": "deep MLP", "dtype": "bfloat16", "error": "Traceback\nRuntimeError: boom"},
+            {"tree": "GPT", "dtype": "bfloat16", "variant": "combo kernels", "error": _LONG},
         ],
         "mean_of": 2,
         "calls": 20,
@@ -205,8 +212,13 @@ def test_the_page_renders_every_section_and_target():
     assert "| fsync.compile, whole step | 9.50 | 0.95x |" in page
     assert "AssertionError: a \\| b" in page  # a cell's | escaped
     assert "| fsync.GradSync | DDP | bit for bit | no | 0.5 | **fails** |" in page
-    assert "| MLP | float32 | 2 (8.0 to 24.0 MiB) | 1.00 | 0.00 | 2517 (84%) | views |" in page
-    assert "| deep MLP | bfloat16 | **failed** | RuntimeError: boom |" in page
+    row = "| MLP | float32 | as shipped | 2 (8.0 to 24.0 MiB) | 1.00 | 0.00 | 2517 (84%) | views |"
+    assert row in page
+    assert "| MLP | float32 | combo kernels | 2 (8.0 to 24.0 MiB) | 30.00 | 0.00 |" in page
+    assert "| deep MLP | bfloat16 | as shipped | **failed** | RuntimeError: boom |" in page
+    failed = page.split("| GPT | bfloat16 | combo kernels | **failed** | ")[1].split(" |")[0]
+    assert failed.startswith("RuntimeError: Unexpected") and failed.endswith("y...")
+    assert len(failed) == 200
 
 
 def test_the_page_says_what_a_part_that_died_left():
