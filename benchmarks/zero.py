@@ -12,7 +12,8 @@ runs them (unshaped and 8 Gbit/s); its settings, with 4 MiB buckets and AdamW at
 - ``fsync.ops.zero``, after ``torch.func.grad`` (``params, state = step(params, grads,
   state)``): eager, eager with whole buckets (``shard_buckets=False``), and compiled;
 - ``step.value_and_step(loss)``, the overlapped call (one backward that reduce-scatters each
-  bucket as backward completes it, updates the shard, all-gathers it): eager and under
+  bucket as backward completes it; then, on these CPU ranks after backward by default, updates
+  the shard and all-gathers it): eager and under
   ``fsync.compile``. Where this fsync has no ``ZeroStep.value_and_step`` the page says so.
 
 Beside them, each one's own compute with no communication (its floor) and the fsync

@@ -7,8 +7,9 @@
 The character-level GPT of ``examples/gpt.py`` trains with
 ``step = fsync.ops.zero(fsync.optim.adamw(...))`` and its gradient call
 ``step.value_and_step(loss_fn)``: per bucket, as backward completes it, the
-gradients are reduce-scattered, every rank updates its shard of the parameters
-with its shard of the AdamW state, and the shards are all-gathered
+gradients are reduce-scattered; every rank updates its shard of the parameters
+with its shard of the AdamW state and the shards are all-gathered (on a GPU as
+each reduce is over, on the CPU after backward: ``update_in_backward``)
 (``--whole-buckets``: each bucket is all-reduced and updated by the one rank
 that owns it, which broadcasts it). The step runs eagerly, or with
 ``--compile`` as one ``fsync.compile`` graph.

@@ -120,6 +120,7 @@ class ZeroStep:
         hook: The hook the gradient buckets go through (the default filled in).
         shard_buckets: Whether buckets are sharded (``True``) or owned whole.
         group: The process group.
+        update_in_backward: Where ``value_and_step`` updates (``None``: by device).
     """
 
     def __init__(
@@ -129,6 +130,7 @@ class ZeroStep:
         options: SyncOptions,
         shard_buckets: bool = True,
         group: _comm.Group = None,
+        update_in_backward: bool | None = None,
     ) -> None:
         _checks.check_optimizer(optimizer)
         self.optimizer = optimizer
@@ -136,6 +138,7 @@ class ZeroStep:
         self.hook: Hook = hook_of(options)
         self.shard_buckets = bool(shard_buckets)
         self.group = group
+        self.update_in_backward = update_in_backward
 
     def layout(self, state: ZeroState, /) -> ZeroLayout:
         """The ``ZeroLayout`` of ``state``: its plan, owners and pieces."""
@@ -202,16 +205,7 @@ class ZeroStep:
             ValueError: ``params`` or ``grads`` do not fit the plan, a gradient
                 requires grad, or ``state`` was made for another plan, world or rank.
         """
-        try:
-            (p_leaves, plan, rebuild), layout = _fit_params(self, params, state)
-            g_leaves = _fit(self, grads, state, "grads")[0].leaves
-        except (ValueError, TypeError) as error:
-            return refuse(error, self.group, like=(params, state))  # type: ignore[no-any-return]
-        buffers, opt_state, hook_state = _comm.naming(
-            lambda: _stepped(self, p_leaves, g_leaves, layout, state), self.group, step=state.step
-        )
-        new_state = state._replace(hook=hook_state, opt=opt_state, step=state.step + 1)
-        return rebuild(_pack.unpack_leaves(buffers, plan)), new_state
+        return _call(self, params, grads, state)
 
     def value_and_step(
         self, fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False
@@ -221,9 +215,11 @@ class ZeroStep:
         ``(params, loss), state = step.value_and_step(loss_fn)(state, params, batch)``
         is ``step(params, torch.func.grad(loss_fn)(params, batch), state)`` (the same
         bits where ``torch.func``'s gradients are autograd's) in one backward pass
-        that reduces, updates and gathers each bucket as backward completes it, as
-        torch's ``hook_with_zero_step`` does (the guide "ZeRO" says how). Under
-        ``torch.compile`` it is ``torch.func.grad_and_value`` and the step.
+        that reduces each bucket as backward completes it and, as torch's
+        ``hook_with_zero_step`` does, updates and gathers it as its reduce is over
+        (after backward on the CPU: ``update_in_backward`` of [fsync.ops.zero][]; the
+        guide "ZeRO" says how). Under ``torch.compile`` it is
+        ``torch.func.grad_and_value`` and the step.
 
         Args:
             fn: The loss: returns a scalar tensor (or ``(value, aux)`` with
@@ -256,6 +252,20 @@ class ZeroStep:
         return _overlapped_call(self, TorchFunc.of(fn, argnums, has_aux))
 
 
+def _call(step: ZeroStep, params: Any, grads: Any, state: ZeroState) -> tuple[Any, ZeroState]:
+    """``ZeroStep.__call__``: the step once the gradients exist."""
+    try:
+        (p_leaves, plan, rebuild), layout = _fit_params(step, params, state)
+        g_leaves = _fit(step, grads, state, "grads")[0].leaves
+    except (ValueError, TypeError) as error:
+        return refuse(error, step.group, like=(params, state))  # type: ignore[no-any-return]
+    buffers, opt_state, hook_state = _comm.naming(
+        lambda: _stepped(step, p_leaves, g_leaves, layout, state), step.group, step=state.step
+    )
+    new_state = state._replace(hook=hook_state, opt=opt_state, step=state.step + 1)
+    return rebuild(_pack.unpack_leaves(buffers, plan)), new_state
+
+
 def _overlapped_call(
     step: ZeroStep, settings: TorchFunc
 ) -> Callable[..., tuple[tuple[Any, Any], ZeroState]]:
@@ -272,6 +282,10 @@ def _overlapped_call(
             (p_leaves, plan, rebuild), layout = _fit_params(step, params, state)
         except (ValueError, TypeError) as error:
             refuse(error, step.group)  # every rank raises it
+        in_backward = step.update_in_backward
+        if in_backward is None:  # the CPU's cores are backward's: update after it there
+            in_backward = any(t.device.type != "cpu" for t in p_leaves if t is not None)
+        stages = functools.partial(_Overlapped, layout, step.optimizer, p_leaves, state.opt)
         (buffers, opt_state, hook_state), output = synced_backward(
             settings.forward(args, kwargs, rebuild),
             settings.value,
@@ -282,7 +296,7 @@ def _overlapped_call(
             step.group,
             step=state.step,
             state_fingerprint=state.layout[0],
-            stages=functools.partial(_Overlapped, layout, step.optimizer, p_leaves, state.opt),
+            stages=functools.partial(stages, in_backward=in_backward),
         )
         new_state = state._replace(hook=hook_state, opt=opt_state, step=state.step + 1)
         params = rebuild(_pack.unpack_leaves(buffers, plan))
@@ -341,8 +355,8 @@ def _stepped(
 
 class _Overlapped:
     """The stages of ``value_and_step`` for ``synced_backward``: as backward completes
-    bucket ``k``, its reduce is issued and the buckets whose reduce is over are updated
-    and gathered."""
+    bucket ``k``, its reduce is issued and (``in_backward``) the buckets whose reduce is
+    over are updated and gathered; the others are in ``finish``, after backward."""
 
     def __init__(
         self,
@@ -355,8 +369,11 @@ class _Overlapped:
         hook_state: Any,
         group: _comm.Group,
         agreement: Agreement,
+        *,
+        in_backward: bool,
     ) -> None:
         self._make = functools.partial(ZeroPipeline, layout, optimizer, params, opt_state, hook)
+        self._in_backward = in_backward
         self._plan, self._hook_state, self._group = plan, hook_state, group
         self._agreement, self._scatter = agreement, layout.shard_buckets
         self._pipeline: ZeroPipeline | None = None
@@ -369,12 +386,13 @@ class _Overlapped:
         return self._pipeline
 
     def start(self, k: int, buffer: torch.Tensor) -> None:
-        """Bucket ``k`` is complete: its reduce issued; bucket ``k`` itself updated and
-        gathered where its reduce has arrived already (gloo's reduce-scatter), else ``k - 1``
-        (so that its reduce is not waited for before the next one is issued)."""
+        """Bucket ``k`` is complete: its reduce issued; in backward, bucket ``k`` itself
+        updated and gathered where its reduce has arrived already (gloo's reduce-scatter),
+        else ``k - 1`` (so that its reduce is not waited for before the next one is issued)."""
         pipeline = self._started()
         pipeline.push(buffer)
-        pipeline.advance(k + 1 if pipeline.arrived(k) else k)
+        if self._in_backward:
+            pipeline.advance(k + 1 if pipeline.arrived(k) else k)
 
     def finish(self) -> tuple[list[torch.Tensor], Any, Any]:
         """The last bucket updated, every gather waited for (``ZeroPipeline.drain``)."""
@@ -389,6 +407,7 @@ def zero(
     group: _comm.Group = None,
     bucket_cap_mb: float | None = None,
     first_bucket_mb: float = 1.0,
+    update_in_backward: bool | None = None,
 ) -> ZeroStep:
     """A ZeRO step: synced gradients feed an optimizer update sharded across ranks.
 
@@ -418,13 +437,21 @@ def zero(
         bucket_cap_mb: Bucket size limit in MiB; ``None``: 25, or 4 on a 2-D mesh
             (see [fsync.SyncOptions][]).
         first_bucket_mb: Size limit of the first bucket in MiB.
+        update_in_backward: Where ``value_and_step`` updates and gathers a bucket:
+            during backward, as its reduce is over (``True``), or after backward,
+            bucket after bucket (``False``; the reduces still leave during backward).
+            ``None``: during backward on an accelerator, after it on the CPU, where
+            the update would take the cores backward computes on (measured slower
+            there: the guide "ZeRO"). The bits are the same either way; under
+            ``torch.compile`` the compiler schedules.
 
     Returns:
         A [fsync.ops.ZeroStep][]: ``state = step.init(params)``, then
         ``params, state = step(params, grads, state)``.
 
     Raises:
-        TypeError: ``optimizer`` or ``hook`` has the wrong type.
+        TypeError: ``optimizer`` or ``hook`` has the wrong type, or
+            ``update_in_backward`` is not a bool or ``None``.
         ValueError: A bucket size is not a finite positive number.
 
     Example:
@@ -441,7 +468,18 @@ def zero(
         given["bucket_cap_mb"] = bucket_cap_mb
     mesh = _comm.hierarchy(group) is not None
     options = SyncOptions.of(given, where="fsync.ops.zero", mesh=mesh)
-    return ZeroStep(optimizer, options=options, shard_buckets=shard_buckets, group=group)
+    if update_in_backward is not None and not isinstance(update_in_backward, bool):
+        raise TypeError(
+            f"update_in_backward is {update_in_backward!r}; expected True, False or None "
+            "(None: during backward on an accelerator, after it on the CPU)."
+        )
+    return ZeroStep(
+        optimizer,
+        options=options,
+        shard_buckets=shard_buckets,
+        group=group,
+        update_in_backward=update_in_backward,
+    )
 
 
 def zero_state_dict(state: ZeroState, step: ZeroStep, /, *, to: int = 0) -> Any:

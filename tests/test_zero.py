@@ -469,14 +469,17 @@ def _backwards_loss(model):
 
 def _on_rank_overlap_order(shard_buckets):
     """Backward completes the buckets in the reverse of the plan's order; every rank still
-    issues the agreement, then each bucket's reduce in plan order, each gather after the
-    reduce of the bucket that follows it."""
+    issues the agreement, then each bucket's reduce in plan order; updating in backward,
+    each gather after the reduce of the bucket that follows it (or its own, where that has
+    arrived); on the CPU by default, the gathers after backward, in plan order."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = Backwards()
     loss = _backwards_loss(model)
     params = params_of(model)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
-    step = fsync.ops.zero(fsync.optim.adam(0.1), shard_buckets=shard_buckets, **TINY)
+    step = fsync.ops.zero(
+        fsync.optim.adam(0.1), shard_buckets=shard_buckets, update_in_backward=True, **TINY
+    )
     state = step.init(params)
     numels = [spec.numel for spec in step.layout(state).plan.specs]
     assert len(numels) == 4
@@ -499,11 +502,24 @@ def _on_rank_overlap_order(shard_buckets):
     assert all(e == sent for e in everyone)
     _assert_bitwise((new, new_state), step(params, torch.func.grad(loss)(params, x), state), "")
 
+    # On the CPU by default (None) and with False, every update after backward: the
+    # reduces as backward completes the buckets, then the gathers, the same bits.
+    for after in (None, False):
+        opt = fsync.optim.adam(0.1)
+        later = fsync.ops.zero(opt, shard_buckets=shard_buckets, update_in_backward=after, **TINY)
+        with _wire() as sent:
+            (out, _), out_state = later.value_and_step(loss)(state, params, x)
+        assert sent == [AGREEMENT, *r, *g], (after, sent)
+        _assert_bitwise((out, out_state), (new, new_state), f"update_in_backward={after}")
+
     # An optimizer that is not leafwise, or a hook that is not bucketwise, waits for every
     # bucket before the first update: the same bits, the gathers after every reduce.
     opt = fsync.optim.adam(0.1)
     whole = fsync.ops.zero(
-        fsync.optim.Optimizer(opt.init, opt.update), shard_buckets=shard_buckets, **TINY
+        fsync.optim.Optimizer(opt.init, opt.update),
+        shard_buckets=shard_buckets,
+        update_in_backward=True,
+        **TINY,
     )
     with _wire() as sent:
         (other, _), other_state = whole.value_and_step(loss)(state, params, x)
@@ -579,7 +595,8 @@ def _on_rank_backward_raises():
                 x = Boom.apply(x, rank == 1)
         return x.pow(2).mean()
 
-    step = fsync.ops.zero(fsync.optim.adam(0.1), **TINY)
+    # Updates in backward: the gathers are in flight too when backward raises.
+    step = fsync.ops.zero(fsync.optim.adam(0.1), update_in_backward=True, **TINY)
     state = step.init(params)
     assert len(step.layout(state).plan.buckets) == 4
     started = time.monotonic()
@@ -655,6 +672,8 @@ def _on_rank_errors():
         fsync.ops.zero(fsync.optim.sgd(0.1)).init({**params, "n": torch.ones(2).long()})
     with pytest.raises(TypeError, match=r"expected an fsync.optim.Optimizer"):
         fsync.ops.zero(torch.optim.SGD)
+    with pytest.raises(TypeError, match=r"update_in_backward is 'cpu'; expected True, False or"):
+        fsync.ops.zero(fsync.optim.sgd(0.1), update_in_backward="cpu")  # type: ignore[arg-type]
     truncating = fsync.Hook(lambda plan: (), lambda b, s, c: ([x[:-1] for x in b], s))
     bad = fsync.ops.zero(fsync.optim.adam(0.1), hook=truncating)
     with pytest.raises(ValueError, match=r"hook output: buffer 0 has shape \(15,\).*or this rank"):
