@@ -467,6 +467,24 @@ def _gpt_steps(work: Any, batches: list[Any], device: Any) -> dict[str, Any]:
         return step
 
     calls["fsync.grad_and_value, eager"] = functional(train_step)
+
+    def zero_call(update_in_backward: bool) -> Callable[[int], Any]:
+        """ZeRO's overlapped call with AdamW, each bucket updated in or after backward
+        (``update_in_backward``: which default a GPU should have; the CPU's is after)."""
+        step = fsync.ops.zero(fsync.optim.adamw(LR), update_in_backward=update_in_backward)
+        call = step.value_and_step(work.functional_loss)
+        params = work.params()
+        held = {"params": params, "state": step.init(params)}
+
+        def run(k: int) -> Any:
+            batch = batches[k % len(batches)]
+            (held["params"], loss), held["state"] = call(held["state"], held["params"], batch)
+            return loss
+
+        return run
+
+    calls["ZeRO value_and_step (AdamW), update in backward"] = zero_call(True)
+    calls["ZeRO value_and_step (AdamW), update after backward"] = zero_call(False)
     counters.clear()
     compiled = functional(fsync.compile(train_step))
     started = time.perf_counter()
