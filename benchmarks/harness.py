@@ -301,14 +301,29 @@ class _Options(NamedTuple):
     backend: str
 
 
+def preloaded_context(modules: Sequence[str]) -> Any:
+    """Where processes start: a forkserver that imports ``modules`` once, as it starts; on a
+    machine with a GPU, fresh interpreters (spawn) instead.
+
+    A process forked from one that has touched the CUDA driver cannot use CUDA, and the
+    preloaded imports do (the CUDA tests' ranks all failed so on an H200, 2026-11-27; a
+    server that imported torch alone was fine). The test worlds start here too.
+    """
+    if torch.cuda.is_available():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(modules))  # once: before the server starts
+    return context
+
+
 def _context(settings: Sequence[Setting]) -> Any:
-    """A forkserver that has imported torch, fsync, the benchmarks and the builders' modules.
+    """The processes' start (``preloaded_context``), with torch, fsync, the benchmarks and
+    the builders' modules preloaded.
 
     A child runs the main module again as ``__mp_main__`` (spawn's rule) unless its server
     imported it: a script's (``python benchmarks/link.py``) is preloaded; a module run with
     ``-m`` is left out, since running it again finds itself imported and warns.
     """
-    context = multiprocessing.get_context("forkserver")
     main = getattr(sys.modules["__main__"].__spec__, "name", None)
     modules = {*PRELOAD, "__main__" if main is None else main}
     # The preload is read once, as the server starts: every page module the caller has, so
@@ -316,8 +331,7 @@ def _context(settings: Sequence[Setting]) -> Any:
     modules |= {name for name in sys.modules if name.split(".")[0] == __package__}
     for setting in settings:
         modules.add(getattr(setting.build, "func", setting.build).__module__)
-    context.set_forkserver_preload(sorted(modules - {main}))  # once: before the server starts
-    return context
+    return preloaded_context(sorted(modules - {main}))
 
 
 def _rank(job: _Job, options: _Options) -> None:

@@ -8,7 +8,8 @@ within the timeout gets the whole world killed (no test can hang the suite).
 Worlds are reused across tests, so each process joins the group and keeps its
 compiled code only once. Ranks are forked from a server that imported torch, its
 compiler and fsync once for the whole session (``multiprocessing``'s forkserver), so a
-world costs a fork and a gloo rendezvous, not an interpreter importing torch per rank.
+world costs a fork and a gloo rendezvous, not an interpreter importing torch per rank
+(on a machine with a GPU, an interpreter per rank: CUDA does not survive the fork).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import contextlib
 import datetime
 import functools
 import gc
-import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -28,9 +28,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-import torch
-
-from benchmarks.harness import PRELOAD
+from benchmarks.harness import PRELOAD, preloaded_context
 
 DEFAULT_TIMEOUT = 180.0
 # What the ranks' server imports once: the harness's list (torch, dynamo's and inductor's
@@ -91,18 +89,9 @@ def _worker(rank: int, size: int, init_file: str, pg_timeout: float, conn: Conne
 
 @functools.cache
 def _context() -> Any:
-    """The forkserver the ranks start from, preloaded with :data:`_PRELOAD` (read once, as
-    the server starts); on a machine with a GPU, fresh interpreters (spawn) instead.
-
-    A process forked from one that has touched the CUDA driver cannot use CUDA, and the
-    preloaded imports do (the CUDA tests' ranks all failed on an H200, 2026-11-27); the
-    GPU check (``benchmarks/gpu.py``) runs few worlds, so the slower start costs little.
-    """
-    if torch.cuda.is_available():
-        return mp.get_context("spawn")
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(list(_PRELOAD))
-    return context
+    """Where the ranks start: the harness's forkserver preloaded with :data:`_PRELOAD`
+    (spawn on a machine with a GPU: ``benchmarks.harness.preloaded_context``)."""
+    return preloaded_context(_PRELOAD)
 
 
 class World:
