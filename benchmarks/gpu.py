@@ -319,9 +319,10 @@ def part_kernels(save: Save) -> None:
                 try:
                     rows.append(_kernels_of(work, dtype, torch.device("cuda", 0), variant))
                 except Exception:
+                    name = str(dtype).removeprefix("torch.")  # as _kernels_of's rows say it
                     error = traceback.format_exc()
                     rows.append(
-                        {"tree": work.name, "dtype": str(dtype), "variant": variant, "error": error}
+                        {"tree": work.name, "dtype": name, "variant": variant, "error": error}
                     )
                 save(found)
 
@@ -455,9 +456,13 @@ def _gpt_steps(work: Any, batches: list[Any], device: Any) -> dict[str, Any]:
         params, opt_state = optimizer.update(params, grads, opt_state)
         return params, opt_state, loss
 
-    def functional(fn: Callable[..., Any]) -> Callable[[int], Any]:
+    def functional(
+        fn: Callable[..., Any], init: Callable[[Any], Any] = optimizer.init
+    ) -> Callable[[int], Any]:
+        """``fn(params, state, batch) -> (params, state, loss)`` as a step that threads
+        both, the state starting from ``init(params)``."""
         params = work.params()
-        state = {"params": params, "opt": optimizer.init(params)}
+        state = {"params": params, "opt": init(params)}
 
         def step(k: int) -> Any:
             batch = batches[k % len(batches)]
@@ -473,15 +478,12 @@ def _gpt_steps(work: Any, batches: list[Any], device: Any) -> dict[str, Any]:
         (``update_in_backward``: which default a GPU should have; the CPU's is after)."""
         step = fsync.ops.zero(fsync.optim.adamw(LR), update_in_backward=update_in_backward)
         call = step.value_and_step(work.functional_loss)
-        params = work.params()
-        held = {"params": params, "state": step.init(params)}
 
-        def run(k: int) -> Any:
-            batch = batches[k % len(batches)]
-            (held["params"], loss), held["state"] = call(held["state"], held["params"], batch)
-            return loss
+        def train(params: Any, state: Any, batch: Any) -> Any:
+            (params, loss), state = call(state, params, batch)
+            return params, state, loss
 
-        return run
+        return functional(train, step.init)
 
     calls["ZeRO value_and_step (AdamW), update in backward"] = zero_call(True)
     calls["ZeRO value_and_step (AdamW), update after backward"] = zero_call(False)
