@@ -31,8 +31,9 @@ WIDTH, DEPTH, BATCH = 16, 3, 8
 class TrainState(NamedTuple):
     params: Any
     opt: Any
-    sync: Any
+    sync: Any  # across replicas
     count: torch.Tensor  # the updates applied to params: must equal the committed steps
+    local: Any = None  # within a replica group of several ranks: its GradSync's state
 
 
 def model(width: int = WIDTH) -> dict[str, torch.Tensor]:
@@ -60,8 +61,12 @@ def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, k
     return ((h - y) ** 2).mean()
 
 
-def setup(config: dict[str, Any], group: Any):
-    """The sync, the optimizer and the initial state a replica (or a plain rank) starts with."""
+def setup(config: dict[str, Any], group: Any, local: Any = None):
+    """The sync, the optimizer and the initial state a replica (or a plain rank) starts with.
+
+    With ``local`` (the ranks of a replica group, a c10d group), ``sync`` is a pair: the
+    mean within the replica group during backward, then across replicas over ``group``.
+    """
     import fsync
 
     hook = fsync.ops.powersgd(rank=1, start_step=2) if config["hook"] == "powersgd" else None
@@ -69,6 +74,12 @@ def setup(config: dict[str, Any], group: Any):
     sync = fsync.GradSync(group=group, hook=hook, bucket_cap_mb=0.001, first_bucket_mb=0.001)
     opt = fsync.optim.sgd(0.05, momentum=0.9)
     params = model(config.get("width", WIDTH))
+    if local is not None:
+        within = fsync.GradSync(group=local, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+        state = TrainState(
+            params, opt.init(params), sync.init(params), torch.tensor(0), within.init(params)
+        )
+        return (within, sync), opt, state
     if config["mode"] == "diloco":
         h = config.get("inner_steps", 2)
         outer = fsync.diloco(h, group=group, bucket_cap_mb=0.001, first_bucket_mb=0.001)
@@ -88,6 +99,15 @@ def train_step(sync: Any, opt: Any, config: dict[str, Any], rank: int, kill: Any
             params, opt_state = opt.update(state.params, grads, state.opt)
             params, outer_state = sync.update(params, state.sync)
             return TrainState(params, opt_state, outer_state, state.count + 1), float(loss)
+        if isinstance(sync, tuple):  # within the replica group during backward, then across
+            within, across = sync
+            (grads, loss), local = within.grad_and_value(loss_fn)(
+                state.local, state.params, x, y, kill
+            )
+            grads, sync_state = across(grads, state.sync)
+            params, opt_state = opt.update(state.params, grads, state.opt)
+            count = state.count + 1
+            return TrainState(params, opt_state, sync_state, count, local), float(loss)
         (grads, loss), sync_state = sync.grad_and_value(loss_fn)(
             state.sync, state.params, x, y, kill
         )
@@ -97,28 +117,55 @@ def train_step(sync: Any, opt: Any, config: dict[str, Any], rank: int, kill: Any
     return step
 
 
+def name(index: int, rank: int, ranks: int) -> str:
+    """A process's name in the files it leaves: its replica, and its rank in a replica group
+    of several ranks."""
+    return f"{index}" if ranks == 1 else f"{index}.{rank}"
+
+
 def main(config: dict[str, Any]) -> None:
-    """One replica: steps until the job has committed ``config["steps"]``."""
+    """One rank of a replica: steps until the job has committed ``config["steps"]``.
+
+    A replica group of several ranks (``config["ranks"]``) syncs within itself over a
+    gloo group of its own (its TCPStore at ``config["store_port"]``, as torchrun's
+    MASTER_PORT), then across replicas, rank ``r`` with rank ``r`` of the others.
+    """
     import datetime
+
+    import torch.distributed as dist
 
     import fsync.ft
 
     torch.set_num_threads(1)
     out = pathlib.Path(config["dir"])
-    index = config["replica"]
-    log = open(out / f"log-{index}.jsonl", "a", buffering=1)  # noqa: SIM115
+    index, rank, ranks = config["replica"], config.get("rank", 0), config.get("ranks", 1)
+    me = name(index, rank, ranks)
+    log = open(out / f"log-{me}.jsonl", "a", buffering=1)  # noqa: SIM115
+    store, local = None, None
+    if ranks > 1:
+        store = ("localhost", config["store_port"])
+        tcp = dist.TCPStore(*store, is_master=False, wait_for_workers=False)
+        prefixed = dist.PrefixStore("within", tcp)  # torchft's Manager keeps its own keys
+        dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=ranks)
+        local = dist.group.WORLD
     replica = fsync.ft.Replica.connect(
         config["lighthouse"],
         replica_id=f"replica_{index}",
         timeout=datetime.timedelta(seconds=config["timeout_s"]),
         quorum_timeout=datetime.timedelta(seconds=30),
+        rank=rank,
+        world_size=ranks,
+        store=store,
     )
-    sync, opt, state = setup(config, replica.group)
-    (out / f"ready-{index}-{os.getpid()}").touch()
-    while len(list(out.glob("ready-*"))) < config["replicas"] and not config.get("restarted"):
+    sync, opt, state = setup(config, replica.group, local)
+    (out / f"ready-{me}-{os.getpid()}").touch()
+    every = config["replicas"] * ranks
+    while len(list(out.glob("ready-*"))) < every and not config.get("restarted"):
         time.sleep(0.05)  # every replica's Manager up before the first quorum
     kill_at = config.get("kill")
     kill_step = None if kill_at is None or config.get("restarted") else kill_at["step"]
+    if kill_at is not None and kill_at.get("rank", 0) != rank:
+        kill_step = None  # another rank of this replica group dies
 
     def die(grad: torch.Tensor) -> torch.Tensor:
         if kill_at["when"] == "backward" and current["count"] == kill_step:
@@ -126,7 +173,7 @@ def main(config: dict[str, Any]) -> None:
         return grad
 
     current = {"count": -1}
-    fn = train_step(sync, opt, config, index, die if kill_step is not None else None)
+    fn = train_step(sync, opt, config, index * ranks + rank, die if kill_step is not None else None)
 
     def step(state: TrainState) -> tuple[TrainState, float]:
         current["count"] = int(state.count)
@@ -168,25 +215,37 @@ def main(config: dict[str, Any]) -> None:
         )
         if kill_step is not None and kill_at["when"] == "between" and outcome.step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
-    torch.save(state, out / f"final-{index}.pt")
+    torch.save(state, out / f"final-{me}.pt")
     log.write(json.dumps({"event": "done"}) + "\n")
     replica.close()
     os._exit(0)  # torchft's threads need not be joined
 
 
 def plain(config: dict[str, Any]) -> TrainState:
-    """The same training with plain fsync over the default group (rank = replica index)."""
+    """The same training with plain fsync over the default group (rank = replica index; with
+    ``config["ranks"]``, replica ``rank // ranks``, syncing within its ranks, then across)."""
     import torch.distributed as dist
 
-    sync, opt, state = setup(config, None)
-    fn = train_step(sync, opt, config, dist.get_rank(), None)
+    ranks, world, me = config.get("ranks", 1), dist.get_world_size(), dist.get_rank()
+    if ranks == 1:
+        sync, opt, state = setup(config, None)
+    else:  # every rank makes every group, in the same order
+        within = [dist.new_group(list(range(i, i + ranks))) for i in range(0, world, ranks)]
+        across = [dist.new_group(list(range(r, world, ranks))) for r in range(ranks)]
+        sync, opt, state = setup(config, across[me % ranks], within[me // ranks])
+    fn = train_step(sync, opt, config, me, None)
     for _ in range(config["steps"]):
         state, _ = fn(state)
     return state
 
 
 class Job:
-    """A lighthouse in this process and replica processes, each started as ``python -m``."""
+    """A lighthouse in this process and replica processes, each started as ``python -m``.
+
+    A replica group of several ranks (``config["ranks"]``) is its ranks' processes and a
+    TCPStore this process serves for them, new at every start (torchrun's rendezvous); as
+    torchrun does, a rank that fails ends its whole replica group (``wait``).
+    """
 
     def __init__(self, tmp: pathlib.Path, config: dict[str, Any]) -> None:
         import fsync.ft
@@ -197,46 +256,75 @@ class Job:
         minimum = config.get("min_replicas", 1)
         self.lighthouse = fsync.ft.lighthouse(min_replicas=minimum, join_timeout_ms=1000)
         self.config = {**config, "dir": str(tmp), "lighthouse": self.lighthouse.address()}
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.ranks: int = config.get("ranks", 1)
+        self.procs: dict[int, list[subprocess.Popen[bytes]]] = {}
+        self._stores: dict[int, Any] = {}
 
     def start(self, index: int, **overrides: Any) -> None:
         config = {**self.config, "replica": index, **overrides}
+        if self.ranks > 1:
+            import torch.distributed as dist
+
+            store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+            self._stores[index] = store
+            config["store_port"] = store.port
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         env["RUST_LOG"] = "error"
-        with open(self.dir / f"stderr-{index}.txt", "ab") as err:  # the child keeps its copy
-            self.procs[index] = subprocess.Popen(
-                [sys.executable, "-m", "tests._replicas", json.dumps(config)],
-                cwd=ROOT,
-                env=env,
-                stdout=err,
-                stderr=err,
-            )
+        self.procs[index] = []
+        for rank in range(self.ranks):
+            command = json.dumps({**config, "rank": rank})
+            me = name(index, rank, self.ranks)
+            with open(self.dir / f"stderr-{me}.txt", "ab") as err:  # the child keeps its copy
+                self.procs[index].append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "tests._replicas", command],
+                        cwd=ROOT,
+                        env=env,
+                        stdout=err,
+                        stderr=err,
+                    )
+                )
 
     def wait(self, index: int, timeout: float) -> int:
-        try:
-            return self.procs[index].wait(timeout=timeout)
-        except subprocess.TimeoutExpired as late:
-            self.close()
-            raise AssertionError(
-                f"replica {index} ran over {timeout} s:\n{self.stderr(index)}"
-            ) from late
+        """Replica ``index``'s exit code: its first rank's that failed (the others are then
+        killed), else 0."""
+        procs, deadline = self.procs[index], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = [proc.poll() for proc in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                for proc in procs:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
+                return failed[0]
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.05)
+        self.close()
+        raise AssertionError(f"replica {index} ran over {timeout} s:\n{self.stderr(index)}")
 
     def stderr(self, index: int) -> str:
-        return (self.dir / f"stderr-{index}.txt").read_text()[-3000:]
+        return "".join(
+            (self.dir / f"stderr-{name(index, r, self.ranks)}.txt").read_text()[-3000:]
+            for r in range(self.ranks)
+        )
 
-    def log(self, index: int) -> list[dict[str, Any]]:
-        lines = (self.dir / f"log-{index}.jsonl").read_text().splitlines()
-        return [json.loads(line) for line in lines]
+    def log(self, index: int, rank: int = 0) -> list[dict[str, Any]]:
+        lines = (self.dir / f"log-{name(index, rank, self.ranks)}.jsonl").read_text()
+        return [json.loads(line) for line in lines.splitlines()]
 
-    def final(self, index: int) -> TrainState:
-        state: TrainState = torch.load(self.dir / f"final-{index}.pt", weights_only=False)
+    def final(self, index: int, rank: int = 0) -> TrainState:
+        path = self.dir / f"final-{name(index, rank, self.ranks)}.pt"
+        state: TrainState = torch.load(path, weights_only=False)
         return state
 
     def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for procs in self.procs.values():
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         self.lighthouse.shutdown()
 
 
