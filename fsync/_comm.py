@@ -149,6 +149,11 @@ class ReplicaGroup:
         """Replica ``src``'s ``x``, received into ``x`` itself (the caller owns it)."""
         raise NotImplementedError
 
+    def levels(self) -> tuple[Group, Group] | None:
+        """``(across, within)`` where the group has two levels (replica groups of several
+        ranks, reduced hierarchically as a 2-D mesh is); ``None`` for one level."""
+        return None
+
 
 REPLICAS_UNDER_COMPILE = (
     "a ReplicaGroup (fsync.ft) runs eagerly only: its members change from one step to the "
@@ -245,7 +250,10 @@ def _flattened(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def hierarchy(group: Group) -> tuple[Group, Group] | None:
-    """``(across, within)``: a 2-D mesh's (or 2-D ``Recorder``'s) dims 0 and 1; else ``None``."""
+    """``(across, within)``: a 2-D mesh's (or 2-D ``Recorder``'s) dims 0 and 1, a two-level
+    ``ReplicaGroup``'s levels; else ``None``."""
+    if isinstance(group, ReplicaGroup):
+        return group.levels()
     if isinstance(group, Recorder):
         return (group.along(0), group.along(1)) if len(group.shape) == 2 else None
     if isinstance(group, DeviceMesh) and group.ndim == 2:

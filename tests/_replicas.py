@@ -31,9 +31,8 @@ WIDTH, DEPTH, BATCH = 16, 3, 8
 class TrainState(NamedTuple):
     params: Any
     opt: Any
-    sync: Any  # across replicas
+    sync: Any
     count: torch.Tensor  # the updates applied to params: must equal the committed steps
-    local: Any = None  # within a replica group of several ranks: its GradSync's state
 
 
 def model(width: int = WIDTH) -> dict[str, torch.Tensor]:
@@ -61,12 +60,8 @@ def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, k
     return ((h - y) ** 2).mean()
 
 
-def setup(config: dict[str, Any], group: Any, local: Any = None):
-    """The sync, the optimizer and the initial state a replica (or a plain rank) starts with.
-
-    With ``local`` (the ranks of a replica group, a c10d group), ``sync`` is a pair: the
-    mean within the replica group during backward, then across replicas over ``group``.
-    """
+def setup(config: dict[str, Any], group: Any):
+    """The sync, the optimizer and the initial state a replica (or a plain rank) starts with."""
     import fsync
 
     hook = fsync.ops.powersgd(rank=1, start_step=2) if config["hook"] == "powersgd" else None
@@ -74,12 +69,6 @@ def setup(config: dict[str, Any], group: Any, local: Any = None):
     sync = fsync.GradSync(group=group, hook=hook, bucket_cap_mb=0.001, first_bucket_mb=0.001)
     opt = fsync.optim.sgd(0.05, momentum=0.9)
     params = model(config.get("width", WIDTH))
-    if local is not None:
-        within = fsync.GradSync(group=local, bucket_cap_mb=0.001, first_bucket_mb=0.001)
-        state = TrainState(
-            params, opt.init(params), sync.init(params), torch.tensor(0), within.init(params)
-        )
-        return (within, sync), opt, state
     if config["mode"] == "diloco":
         h = config.get("inner_steps", 2)
         outer = fsync.diloco(h, group=group, bucket_cap_mb=0.001, first_bucket_mb=0.001)
@@ -99,15 +88,6 @@ def train_step(sync: Any, opt: Any, config: dict[str, Any], rank: int, kill: Any
             params, opt_state = opt.update(state.params, grads, state.opt)
             params, outer_state = sync.update(params, state.sync)
             return TrainState(params, opt_state, outer_state, state.count + 1), float(loss)
-        if isinstance(sync, tuple):  # within the replica group during backward, then across
-            within, across = sync
-            (grads, loss), local = within.grad_and_value(loss_fn)(
-                state.local, state.params, x, y, kill
-            )
-            grads, sync_state = across(grads, state.sync)
-            params, opt_state = opt.update(state.params, grads, state.opt)
-            count = state.count + 1
-            return TrainState(params, opt_state, sync_state, count, local), float(loss)
         (grads, loss), sync_state = sync.grad_and_value(loss_fn)(
             state.sync, state.params, x, y, kill
         )
@@ -126,9 +106,10 @@ def name(index: int, rank: int, ranks: int) -> str:
 def main(config: dict[str, Any]) -> None:
     """One rank of a replica: steps until the job has committed ``config["steps"]``.
 
-    A replica group of several ranks (``config["ranks"]``) syncs within itself over a
-    gloo group of its own (its TCPStore at ``config["store_port"]``, as torchrun's
-    MASTER_PORT), then across replicas, rank ``r`` with rank ``r`` of the others.
+    A replica group of several ranks (``config["ranks"]``) has a gloo group of its own
+    (its TCPStore at ``config["store_port"]``, as torchrun's MASTER_PORT): its sync is
+    hierarchical, within the group, then each rank's shard across replicas with rank
+    ``r`` of the others (``fsync.ft.ReplicaMesh``).
     """
     import datetime
 
@@ -156,8 +137,9 @@ def main(config: dict[str, Any]) -> None:
         rank=rank,
         world_size=ranks,
         store=store,
+        within=local,
     )
-    sync, opt, state = setup(config, replica.group, local)
+    sync, opt, state = setup(config, replica.group)
     (out / f"ready-{me}-{os.getpid()}").touch()
     every = config["replicas"] * ranks
     while len(list(out.glob("ready-*"))) < every and not config.get("restarted"):
@@ -223,16 +205,15 @@ def main(config: dict[str, Any]) -> None:
 
 def plain(config: dict[str, Any]) -> TrainState:
     """The same training with plain fsync over the default group (rank = replica index; with
-    ``config["ranks"]``, replica ``rank // ranks``, syncing within its ranks, then across)."""
+    ``config["ranks"]``, over a 2-D mesh of (replicas, ranks): replica ``rank // ranks``)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     ranks, world, me = config.get("ranks", 1), dist.get_world_size(), dist.get_rank()
-    if ranks == 1:
-        sync, opt, state = setup(config, None)
-    else:  # every rank makes every group, in the same order
-        within = [dist.new_group(list(range(i, i + ranks))) for i in range(0, world, ranks)]
-        across = [dist.new_group(list(range(r, world, ranks))) for r in range(ranks)]
-        sync, opt, state = setup(config, across[me % ranks], within[me // ranks])
+    group = None
+    if ranks > 1:
+        group = init_device_mesh("cpu", (world // ranks, ranks), mesh_dim_names=("node", "local"))
+    sync, opt, state = setup(config, group)
     fn = train_step(sync, opt, config, me, None)
     for _ in range(config["steps"]):
         state, _ = fn(state)

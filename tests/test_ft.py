@@ -156,10 +156,12 @@ def test_a_replica_killed_between_steps_restarts_and_heals_diloco_state(tmp_path
 
 @pytest.mark.timeout(240)
 def test_replica_groups_of_two_ranks_survive_a_rank_killed_in_backward(tmp_path):
-    # Two replica groups of two ranks (a node each, say): each syncs within itself during
-    # backward over a gloo group of its own, then across replicas, rank r with rank r of
-    # the other. Rank 1 of replica 1 dies in backward; as under torchrun, its whole group
-    # stops and starts again, and each of its ranks heals from the same rank of replica 0.
+    # Two replica groups of two ranks (a node each, say), each with a gloo group of its own:
+    # the sync is hierarchical (fsync.ft.ReplicaMesh), each bucket reduce-scattered within
+    # the group during backward, each rank's shard across replicas with rank r of the
+    # other, gathered within. Rank 1 of replica 1 dies in backward; as under torchrun, its
+    # whole group stops and starts again, and each of its ranks heals from the same rank of
+    # replica 0.
     config = {**_config(), "ranks": 2, "min_replicas": 2}
     job, codes, step = _run(tmp_path, config, victim=1, when="backward", rank=1)
     assert codes == {0: 0, 1: 0}, job.stderr(0) + job.stderr(1)
@@ -173,8 +175,9 @@ def test_replica_groups_of_two_ranks_survive_a_rank_killed_in_backward(tmp_path)
         second = [i for i, e in enumerate(restarted) if e["event"] == "start"][1]
         assert restarted[second + 1]["healed"], restarted
     # Every committed step had both replicas (min_replicas=2) with the same batches, so the
-    # job computed what plain fsync does over 4 ranks synced the same way (within pairs,
-    # then across), bit for bit: the discarded step left no trace, none was applied twice.
+    # job computed what plain fsync does over a 2 x 2 DeviceMesh, bit for bit (the same
+    # reduce-scatter within, a sum of two shards across: gloo's through torchft, exact in
+    # either order): the discarded step left no trace, and none was applied twice.
     plain = get_world(4).run(_replicas.plain, config)
     for k, r in ranks:
         assert _identical(job.final(k, r), plain[2 * k + r]), (k, r)
@@ -403,3 +406,58 @@ def test_a_step_without_collectives_meets_its_peers_where_the_quorum_changed():
     state, outcome = step(state, False)
     assert outcome.committed and len(manager.reduced) == 2
     assert torch.equal(state["w"], torch.full((2,), 3.0))
+
+
+class _Mirror(_comm.ReplicaGroup):
+    """A second replica group that holds what this one holds: a sum across doubles, a gather
+    repeats. Records the elements each collective sends across."""
+
+    def __init__(self):
+        self.sent = []
+
+    def size(self):
+        return 2
+
+    def rank(self):
+        return 0
+
+    def all_reduce(self, x, op):
+        self.sent.append(x.numel())
+        return _comm.Pending(x.mul_(2) if op == "sum" else x, ())
+
+    def all_gather(self, x):
+        self.sent.append(x.numel())
+        return _comm.Pending(torch.cat([x, x]), ())
+
+    def broadcast(self, x, src):
+        return _comm.Pending(x, ())
+
+
+def _on_rank_replica_mesh():
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    across = _Mirror()
+    mesh = fsync.ft.ReplicaMesh(dist.group.WORLD, across)
+    assert (mesh.size(), mesh.rank()) == (4, rank)  # replica by replica, as a mesh's ranks
+    assert _comm.hierarchy(mesh) == (across, dist.group.WORLD)
+    g = torch.Generator().manual_seed(rank)
+    grads = {
+        k: torch.randn(*s, generator=g) for k, s in [("w", (33, 7)), ("v", (50,)), ("b", (5,))]
+    }
+    got = fsync.sync_grads(grads, group=mesh, bucket_cap_mb=0.0001, first_bucket_mb=0.0001)
+    # Across, only this rank's shards travel (half of every bucket, padded to 2 shards), and
+    # the agreement; nothing else. The mirror doubles the within-group sum, so the mean over
+    # the 4 ranks is the mean of the two real ones.
+    plan = fsync.plan_buckets(grads, bucket_cap_mb=0.0001, first_bucket_mb=0.0001)
+    shards = [-(-spec.numel // 2) for spec in plan.specs]
+    assert len(shards) > 1 and across.sent[1:] == shards, (across.sent, shards)
+    expected = fsync.sync_grads(grads, bucket_cap_mb=0.0001, first_bucket_mb=0.0001)
+    # The same sums of two rank's values (each exact in either order); the mesh divides once
+    # by 4 after doubling, the flat sync by 2: both exact scalings.
+    assert all(torch.equal(got[k], expected[k]) for k in grads), rank
+    return True
+
+
+def test_a_replica_mesh_sends_a_shard_of_each_bucket_across():
+    assert all(get_world(2).run(_on_rank_replica_mesh))

@@ -11,8 +11,8 @@ same bucket options and tree). A replica started with another tree or other
 sync options therefore stops with a ``ValueError`` there, before it takes part
 in any collective, and its peers are not touched.
 
-Owns: the heal's payload and its check. May import: ``_tree``, ``_sync``,
-``_accumulate`` (the state types).
+Owns: the heal's payload, its check, and the exchange torchft calls back into. May
+import: ``_tree``, ``_sync``, ``_accumulate`` (the state types).
 """
 
 from __future__ import annotations
@@ -27,10 +27,45 @@ from fsync._accumulate import DeferredState
 from fsync._sync import SyncState
 
 FORMAT = 1
+_NONE: Any = object()  # nothing received
 _FIX = (
     "Start every replica with the same model, optimizer and fsync options as the running "
     "job (a replica that joins receives the live state from a peer and must fit it)."
 )
+
+
+class Exchange:
+    """What this replica serves to a peer that heals, and what it received from one.
+
+    torchft calls ``save`` (on a peer that heals from this replica) and ``load`` (on
+    this replica, as it heals) through the state callbacks it is given: ``save`` sends
+    the state the transaction last committed, ``load`` checks a peer's against it and
+    keeps it for the step, which takes it in ``begin``.
+
+    Attributes:
+        committed: The state a step started from or committed, the last one.
+    """
+
+    def __init__(self) -> None:
+        self.committed: Any = None
+        self._received: Any = _NONE
+
+    def save(self) -> dict[str, Any]:
+        """What a peer that heals receives (torchft's ``state_dict`` callback)."""
+        return payload(self.committed)
+
+    def load(self, sent: Any) -> None:
+        """A peer's state, checked and kept for the step (torchft's ``load_state_dict``)."""
+        self._received = received(self.committed, sent)
+
+    def begin(self, state: Any) -> tuple[Any, bool]:
+        """The state a step starts from (the one received, if this replica healed) and
+        whether it healed; it is the committed one until the step commits another."""
+        healed = self._received is not _NONE
+        if healed:
+            state, self._received = self._received, _NONE
+        self.committed = state
+        return state, healed
 
 
 def payload(state: Any) -> dict[str, Any]:

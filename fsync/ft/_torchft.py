@@ -12,8 +12,11 @@ sync stops at the first failed bucket with a ``CollectiveError`` and the step
 name a disagreement, a broadcast) go to the Manager's process group directly,
 and a failure of theirs is reported to the Manager too.
 
-Owns: every name of torchft fsync uses. May import: ``_comm`` (and torchft,
-lazily).
+A replica group of several ranks is two-level (``ReplicaMesh``): within it, its own
+c10d group; across, the ``ManagerGroup`` of each rank.
+
+Owns: every name of torchft fsync uses, the replicas as fsync groups and a step's
+quorum. May import: ``_comm`` (and torchft, lazily).
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ class ManagerGroup(_comm.ReplicaGroup):
         self._device = torch.device(device)
         self.live = False
         self.issued = 0
+        self._quorum: Any = None  # the id of the last step's quorum (torchft's)
+        self._silent: tuple[bool, int] = (False, 0)  # (quorum changed, issued at its start)
 
     def __repr__(self) -> str:
         return f"ManagerGroup({self.manager!r})"
@@ -136,6 +141,21 @@ class ManagerGroup(_comm.ReplicaGroup):
         options.rootRank = src
         return _comm.Pending(x, (self._issue(lambda pg: pg.broadcast([x], options)),))
 
+    def begin(self) -> None:
+        """A step's quorum: torchft's ``start_quorum`` (a heal of this replica happens in
+        it, through the state callbacks), then the group is live until the step ends."""
+        self.manager.start_quorum()
+        last, self._quorum = self._quorum, getattr(self.manager, "_quorum_id", None)
+        self._silent = (last is None or last != self._quorum, self.issued)
+        self.live = True
+
+    def meet_if_silent(self) -> None:
+        """``meet`` where this step's quorum changed and the step issued no collective across
+        replicas: a quorum's id is the same on every replica, so all of them meet."""
+        changed, issued = self._silent
+        if changed and self.issued == issued:
+            self.meet()
+
     def meet(self) -> None:
         """One collective across the quorum, waited for: for a step that issued none.
 
@@ -143,8 +163,7 @@ class ManagerGroup(_comm.ReplicaGroup):
         ``should_commit`` withdraws it (torchft's checkpoint transport). A step with
         collectives cannot commit before every peer has joined them, so after its fetch;
         one without (DiLoCo's inner steps) could, and the fetch then timed out, step after
-        step. A transaction calls this where its quorum changed: a quorum's id is the same
-        on every replica, so all of them meet.
+        step (see ``meet_if_silent``).
         """
         one = torch.ones(1, device=self.device)
         _comm.wait(self.all_reduce(one, "sum"), "the replicas' meeting before commit")
@@ -158,6 +177,71 @@ class ManagerGroup(_comm.ReplicaGroup):
         except RuntimeError as error:
             self.manager.report_error(error)
             raise
+
+
+_WITHIN = "the replica group's own collective, within it"
+
+
+class ReplicaMesh(_comm.ReplicaGroup):
+    """Replica groups of several ranks and the live replicas, as one two-level fsync group.
+
+    Its levels are a 2-D mesh's (``_comm.hierarchy``): ``within``, the ranks of this
+    replica group (a c10d group of fixed members, torchrun's, say), and ``across``, rank
+    ``r`` of every live replica (the ``ManagerGroup`` of this rank's Manager). A sync over
+    it is hierarchical, as over a ``(nodes, local)`` mesh: each bucket reduce-scattered
+    within, this rank's ``1/local`` shard reduced across replicas through the Manager, the
+    shards gathered within; a hook (and its state) sees the shards. Its own collectives
+    (the agreement, the gathers that name a disagreement) run within, then across.
+
+    Args:
+        within: This replica group's ranks (``dist.group.WORLD`` under a torchrun of its
+            own).
+        across: The live replicas (``Replica``'s ``ManagerGroup``).
+    """
+
+    def __init__(self, within: Any, across: ManagerGroup) -> None:
+        self.within, self.across = within, across
+
+    def __repr__(self) -> str:
+        return f"ReplicaMesh(within={self.within!r}, across={self.across!r})"
+
+    @property
+    def device(self) -> torch.device:
+        """Where fsync puts this group's small control tensors."""
+        return self.across.device
+
+    def levels(self) -> tuple[_comm.Group, _comm.Group]:
+        """``(across, within)``: the replicas, then this replica group's ranks."""
+        return self.across, self.within
+
+    def size(self) -> int:
+        """Every rank of the quorum's replica groups; this group's ranks between steps."""
+        return self.across.size() * _comm.size(self.within)
+
+    def rank(self) -> int:
+        """This rank among them, replica by replica (as a mesh's ranks, row-major)."""
+        return self.across.rank() * _comm.size(self.within) + _comm.rank(self.within)
+
+    def all_reduce(self, x: torch.Tensor, op: str) -> _comm.Pending:
+        """``x`` reduced within this replica group, then across the replicas."""
+        x = _comm.wait(_comm.all_reduce(x, op, self.within, inplace=True), _WITHIN)
+        return self._then_across(x, lambda y: self.across.all_reduce(y, op))
+
+    def all_gather(self, x: torch.Tensor) -> _comm.Pending:
+        """Every rank's ``x`` along dim 0, replica by replica."""
+        x = _comm.wait(_comm.all_gather(x, self.within), _WITHIN)
+        return self._then_across(x, self.across.all_gather)
+
+    def broadcast(self, x: torch.Tensor, src: int) -> _comm.Pending:
+        """Rank ``src``'s ``x``: from its place in every replica group, then from its replica."""
+        local = _comm.size(self.within)
+        x = _comm.wait(_comm.broadcast(x, src % local, self.within), _WITHIN)
+        return self._then_across(x, lambda y: self.across.broadcast(y, src // local))
+
+    def _then_across(self, x: torch.Tensor, call: Any) -> _comm.Pending:
+        """``call(x)`` across the replicas, where there are others (as ``_comm`` skips a
+        collective of one rank)."""
+        return call(x) if self.across.size() > 1 else _comm.Pending(x, ())
 
 
 def lighthouse(

@@ -21,7 +21,7 @@ Nothing but ``fn``'s own errors leaves the step: a disagreement between live
 replicas is still a ``ValueError`` everywhere, and a replica that joins with
 another tree or other options gets a ``ValueError`` at its heal, alone.
 
-Owns: the transaction and the state served to peers. May import: ``_comm``,
+Owns: the transaction. May import: ``_comm``,
 ``fsync.ft._torchft``, ``fsync.ft._heal``.
 """
 
@@ -36,8 +36,6 @@ import torch
 
 from fsync import _comm
 from fsync.ft import _heal, _torchft
-
-_UNSET: Any = object()
 
 _NOT_A_PAIR = (
     "the step function returned {got}; expected a pair (new_state, value): the new state "
@@ -81,11 +79,16 @@ class Replica:
             no state callbacks (``Replica`` registers its own, under "fsync"),
             or use [connect][fsync.ft.Replica.connect].
         device: Where fsync's small control tensors live (``"cuda"`` with NCCL).
+        within: For a replica group of several ranks, the c10d group of its ranks
+            (``torch.distributed.group.WORLD`` under a torchrun of its own): ``group``
+            is then two-level, a [fsync.ft.ReplicaMesh][].
 
     Attributes:
         manager: The ``torchft.Manager``.
         group: The live replicas as an fsync group: pass it as ``group=`` to
             [fsync.GradSync][], [fsync.grad_and_value][], [fsync.diloco][] ...
+            With ``within``, every rank of them, reduced hierarchically (within
+            the replica group, then its shard across replicas).
 
     Example (not run here: it needs a lighthouse and peers):
 
@@ -95,18 +98,21 @@ class Replica:
         state, outcome = step(state, batch)
     """
 
-    def __init__(self, manager: Any, *, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, manager: Any, *, device: torch.device | str = "cpu", within: Any = None
+    ) -> None:
         if getattr(manager, "_use_async_quorum", False):
             raise ValueError(
                 "the Manager was made with use_async_quorum=True; a transaction needs its "
                 "quorum (and a heal) before the step runs: make it with use_async_quorum=False."
             )
         self.manager = manager
-        self.group = _torchft.ManagerGroup(manager, device=device)
-        self._committed: Any = _UNSET
-        self._healed: Any = _UNSET
-        self._quorum: Any = None  # the id of the last step's quorum (torchft's)
-        manager.register_state_dict_fn("fsync", self._load, self._save)
+        self._replicas = _torchft.ManagerGroup(manager, device=device)
+        self.group: _comm.ReplicaGroup = self._replicas
+        if within is not None:
+            self.group = _torchft.ReplicaMesh(within, self._replicas)
+        self._exchange = _heal.Exchange()  # what heals a peer, and what healed this one
+        manager.register_state_dict_fn("fsync", self._exchange.load, self._exchange.save)
 
     @classmethod
     def connect(
@@ -121,6 +127,7 @@ class Replica:
         world_size: int = 1,
         store: tuple[str, int] | None = None,
         hostname: str = "localhost",
+        within: Any = None,
     ) -> Replica:
         """A ``Replica`` over a new torchft ``Manager`` (gloo) joined to a lighthouse.
 
@@ -136,6 +143,8 @@ class Replica:
             store: The replica group's TCPStore ``(host, port)``; a one-rank
                 replica group starts its own.
             hostname: How peers reach this replica group's rank 0.
+            within: The c10d group of this replica group's ranks, for a two-level
+                ``group`` (see [fsync.ft.Replica][]).
         """
         made = _torchft.manager(
             lighthouse_addr,
@@ -148,7 +157,7 @@ class Replica:
             store=store,
             hostname=hostname,
         )
-        return cls(made)
+        return cls(made, within=within)
 
     def step(self, fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Outcome]]:
         """``fn(state, *args) -> (state, value)`` as a transaction across the replicas.
@@ -176,31 +185,24 @@ class Replica:
     def _run(
         self, fn: Callable[..., Any], state: Any, args: Any, kwargs: Any
     ) -> tuple[Any, Outcome]:
-        self._committed = state
-        self.manager.start_quorum()
-        quorum, self._quorum = self._quorum, getattr(self.manager, "_quorum_id", None)
-        issued = self.group.issued
-        healed = self._healed is not _UNSET
-        if healed:
-            state, self._healed = self._healed, _UNSET
-            self._committed = state
+        self._exchange.committed = state  # served to a peer that heals in this quorum
+        self._replicas.begin()
+        state, healed = self._exchange.begin(state)
         error: _comm.CollectiveError | None = None
-        self.group.live = True
         try:
             result = fn(state, *args, **kwargs)
-            if self.group.issued == issued and (quorum is None or quorum != self._quorum):
-                self.group.meet()
+            self._replicas.meet_if_silent()
         except _comm.CollectiveError as failure:
             self.manager.report_error(failure)
             result, error = (state, None), failure
         finally:
-            self.group.live = False
+            self._replicas.live = False
         if not isinstance(result, tuple) or len(result) != 2:
             raise TypeError(_NOT_A_PAIR.format(got=type(result).__name__))
         new_state, value = result
         committed = bool(self.manager.should_commit())
         if committed:
-            self._committed = new_state
+            self._exchange.committed = new_state
         outcome = Outcome(
             committed=committed,
             value=value,
@@ -210,9 +212,3 @@ class Replica:
             error=None if error is None else str(error),
         )
         return (new_state if committed else state), outcome
-
-    def _save(self) -> dict[str, Any]:
-        return _heal.payload(self._committed)
-
-    def _load(self, sent: Any) -> None:
-        self._healed = _heal.received(self._committed, sent)
