@@ -399,6 +399,16 @@ class _Overlapped:
         return self._started().drain()
 
 
+_ZERO_ACROSS_REPLICAS = (
+    "fsync.ops.zero got group=an fsync.ft replica group; expected a process group or mesh "
+    "of fixed members. The ZeRO step keeps each part of the optimizer state on one rank "
+    "alone: across replicas, a replica that dies takes its part with it, and one that heals "
+    "would receive a peer's part in place of its own. Across replicas, sync with "
+    "fsync.GradSync(group=replica.group) and update with the optimizer itself (its state "
+    "replicated, healed whole)."
+)
+
+
 def zero(
     optimizer: Optimizer,
     *,
@@ -452,7 +462,8 @@ def zero(
     Raises:
         TypeError: ``optimizer`` or ``hook`` has the wrong type, or
             ``update_in_backward`` is not a bool or ``None``.
-        ValueError: A bucket size is not a finite positive number.
+        ValueError: A bucket size is not a finite positive number, or ``group`` is
+            the live replicas of a fault-tolerant job (``fsync.ft``).
 
     Example:
         >>> import torch, fsync
@@ -463,6 +474,8 @@ def zero(
         >>> params["b"]
         tensor([-0.5000, -0.5000])
     """
+    if isinstance(group, _comm.ReplicaGroup):
+        raise ValueError(_ZERO_ACROSS_REPLICAS)
     given = OptionKeywords(hook=hook, first_bucket_mb=first_bucket_mb)
     if bucket_cap_mb is not None:  # else the default for the group (SyncOptions.of)
         given["bucket_cap_mb"] = bucket_cap_mb

@@ -461,3 +461,60 @@ def _on_rank_replica_mesh():
 
 def test_a_replica_mesh_sends_a_shard_of_each_bucket_across():
     assert all(get_world(2).run(_on_rank_replica_mesh))
+
+
+def _on_rank_replica_mesh_as_a_device_mesh():
+    """Every entry point over a ReplicaMesh whose other replica group mirrors this one: the
+    same as over a 2 x 2 DeviceMesh whose node 1 holds node 0's data, bit for bit (a sum of
+    two equal values across is exactly a doubling)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    replicas = fsync.ft.ReplicaMesh(pairs[rank // 2], _Mirror())
+
+    def tree(seed):
+        g = torch.Generator().manual_seed(seed)  # node 1 holds node 0's values
+        return {k: torch.randn(*s, generator=g) for k, s in [("w", (9, 8)), ("b", (30,))]}
+
+    small = {"bucket_cap_mb": 0.0001, "first_bucket_mb": 0.0001}
+    results = []
+    for group in (mesh, replicas):
+        params = tree(rank % 2)
+        compressed = fsync.GradSync(
+            group=group, hook=fsync.ops.powersgd(rank=1, start_step=0), **small
+        )
+        deferred = fsync.DeferredSync(group=group, **small)
+        outer = fsync.diloco(2, group=group, **small)
+        sync_state = compressed.init(params)
+        acc, diloco_state = deferred.init(params), outer.init(params)
+        got = []
+        for step in range(2):
+            grads = tree(10 * step + rank % 2)
+            synced, sync_state = compressed(grads, sync_state)
+            acc = deferred.add(grads, deferred.add(tree(99), acc))
+            summed, acc = deferred.finish(acc)
+            params = {k: p - 0.1 * g for k, p in params.items() for g in [grads[k]]}
+            params, diloco_state = outer.update(params, diloco_state)
+            got.append((synced, summed, params))
+        results.append((got, sync_state))
+    (expected, expected_state), (got, state) = results
+    mine = fsync._tree.flatten((got, state.hook))[0]
+    theirs = fsync._tree.flatten((expected, expected_state.hook))[0]
+    assert len(mine) == len(theirs) and all(map(torch.equal, mine, theirs)), rank
+    return True
+
+
+def test_every_entry_point_over_a_replica_mesh_takes_the_meshs_path():
+    assert all(get_world(4).run(_on_rank_replica_mesh_as_a_device_mesh))
+
+
+def test_the_zero_step_is_refused_across_replicas():
+    # Each part of its optimizer state lives on one rank alone: across replicas a death
+    # would lose it, and a heal would hand a replica a peer's part in place of its own.
+    mesh = fsync.ft.ReplicaMesh(None, _Mirror())
+    for group in (_Mirror(), mesh):
+        with pytest.raises(ValueError, match="replica that dies takes its part with it"):
+            fsync.ops.zero(fsync.optim.adam(1e-3), group=group)
