@@ -126,7 +126,9 @@ def main(config: dict[str, Any]) -> None:
     if ranks > 1:
         store = ("localhost", config["store_port"])
         tcp = dist.TCPStore(*store, is_master=False, wait_for_workers=False)
-        prefixed = dist.PrefixStore("within", tcp)  # torchft's Manager keeps its own keys
+        # The group's process group under a prefix of this life's (as torchrun's does per
+        # attempt); torchft's keys in the store itself, where a restart finds the last life's.
+        prefixed = dist.PrefixStore(f"within/{config['life']}", tcp)
         dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=ranks)
         local = dist.group.WORLD
     replica = fsync.ft.Replica.connect(
@@ -224,8 +226,9 @@ class Job:
     """A lighthouse in this process and replica processes, each started as ``python -m``.
 
     A replica group of several ranks (``config["ranks"]``) is its ranks' processes and a
-    TCPStore this process serves for them, new at every start (torchrun's rendezvous); as
-    torchrun does, a rank that fails ends its whole replica group (``wait``).
+    TCPStore this process serves for them, kept across the group's restarts as torchrun
+    keeps its own (so a restarted group finds what its last life wrote there); as torchrun
+    does, a rank that fails ends its whole replica group (``wait``).
     """
 
     def __init__(self, tmp: pathlib.Path, config: dict[str, Any]) -> None:
@@ -240,15 +243,19 @@ class Job:
         self.ranks: int = config.get("ranks", 1)
         self.procs: dict[int, list[subprocess.Popen[bytes]]] = {}
         self._stores: dict[int, Any] = {}
+        self._lives: dict[int, int] = {}  # how many times each replica has started, less one
 
     def start(self, index: int, **overrides: Any) -> None:
-        config = {**self.config, "replica": index, **overrides}
+        life = self._lives[index] = self._lives.get(index, -1) + 1
+        config = {**self.config, "replica": index, "life": life, **overrides}
         if self.ranks > 1:
             import torch.distributed as dist
 
-            store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-            self._stores[index] = store
-            config["store_port"] = store.port
+            if index not in self._stores:
+                self._stores[index] = dist.TCPStore(
+                    "localhost", 0, is_master=True, wait_for_workers=False
+                )
+            config["store_port"] = self._stores[index].port
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         env["RUST_LOG"] = "error"
         self.procs[index] = []

@@ -274,21 +274,33 @@ def manager(
     world_size: int = 1,
     store: tuple[str, int] | None = None,
     hostname: str = "localhost",
+    within: Any = None,
 ) -> Any:
     """A torchft ``Manager`` over gloo with fsync's state callbacks left to register.
 
     ``store`` is the replica group's TCPStore ``(host, port)``; a one-rank replica
     group (``world_size=1``) starts its own. Quorums are synchronous, so that a
     replica that heals has its state before the step runs.
+
+    A replica group of several ranks also gives ``within``, its ranks' c10d group:
+    torchft's rank 0 publishes its Manager's address in the store and the other ranks
+    read it, but torchrun keeps its store across the restarts of a group, so after a
+    restart they could read the dead Manager's (seen: "failed to connect to
+    http://localhost:32837"). So rank 0 clears torchft's keys first, and the ranks meet
+    over ``within`` before any of them reads.
     """
     ft = torchft()
     own_store = None
-    if store is None:
-        if world_size != 1:
+    if world_size != 1:
+        if store is None or within is None:
             raise ValueError(
-                f"a replica group of {world_size} ranks needs its TCPStore: pass store=(host, "
-                "port) (torchrun's MASTER_ADDR and MASTER_PORT), the same on each of its ranks."
+                f"a replica group of {world_size} ranks needs its TCPStore and its ranks' "
+                "process group: pass store=(host, port) (torchrun's MASTER_ADDR and "
+                "MASTER_PORT) and within=torch.distributed.group.WORLD (init_process_group "
+                "first), the same on each of its ranks."
             )
+        _clear_stale_keys(store, rank, within)
+    elif store is None:
         own_store = _module("manager").TCPStore(
             "localhost", 0, is_master=True, wait_for_workers=False
         )
@@ -313,3 +325,15 @@ def manager(
     )
     made._fsync_store = own_store  # kept alive as long as the Manager
     return made
+
+
+def _clear_stale_keys(store: Any, rank: int, within: Any) -> None:
+    """torchft's keys gone from the replica group's ``store`` before its Managers start:
+    rank 0 deletes what an earlier life of the group left, then every rank meets over
+    ``within`` (an all-reduce), so that none reads before the new rank 0 has written."""
+    names = _module("manager")
+    if rank == 0:
+        client = names.TCPStore(*store, is_master=False, wait_for_workers=False)
+        for key in (names.MANAGER_ADDR_KEY, names.REPLICA_ID_KEY):
+            client.delete_key(key)
+    _comm.wait(_comm.all_reduce(torch.zeros(1), "sum", within), "the replica group's ranks meeting")

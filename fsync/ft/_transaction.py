@@ -37,6 +37,10 @@ import torch
 from fsync import _comm
 from fsync.ft import _heal, _torchft
 
+_ASYNC_QUORUM = (
+    "the Manager was made with use_async_quorum=True; a transaction needs its quorum (and a "
+    "heal) before the step runs: make it with use_async_quorum=False."
+)
 _NOT_A_PAIR = (
     "the step function returned {got}; expected a pair (new_state, value): the new state "
     "(the whole state the transaction commits or discards) and anything else (the loss, "
@@ -102,10 +106,7 @@ class Replica:
         self, manager: Any, *, device: torch.device | str = "cpu", within: Any = None
     ) -> None:
         if getattr(manager, "_use_async_quorum", False):
-            raise ValueError(
-                "the Manager was made with use_async_quorum=True; a transaction needs its "
-                "quorum (and a heal) before the step runs: make it with use_async_quorum=False."
-            )
+            raise ValueError(_ASYNC_QUORUM)
         self.manager = manager
         self._replicas = _torchft.ManagerGroup(manager, device=device)
         self.group: _comm.ReplicaGroup = self._replicas
@@ -140,11 +141,16 @@ class Replica:
             quorum_timeout: How long a quorum may take to form.
             rank: This process's rank within its replica group.
             world_size: The ranks of a replica group (each has its own Manager).
-            store: The replica group's TCPStore ``(host, port)``; a one-rank
-                replica group starts its own.
+            store: The replica group's TCPStore ``(host, port)`` (torchrun's
+                ``MASTER_ADDR``, ``MASTER_PORT``); a one-rank replica group starts
+                its own.
             hostname: How peers reach this replica group's rank 0.
-            within: The c10d group of this replica group's ranks, for a two-level
-                ``group`` (see [fsync.ft.Replica][]).
+            within: The c10d group of this replica group's ranks (required with
+                ``world_size`` > 1): ``group`` is two-level (see [fsync.ft.Replica][]).
+
+        Raises:
+            ValueError: A replica group of several ranks without ``store`` or
+                ``within``.
         """
         made = _torchft.manager(
             lighthouse_addr,
@@ -156,6 +162,7 @@ class Replica:
             world_size=world_size,
             store=store,
             hostname=hostname,
+            within=within,
         )
         return cls(made, within=within)
 
