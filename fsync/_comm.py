@@ -652,7 +652,7 @@ def named(
         return failure
     stage = failure.stage or stage or "a collective"
     if isinstance(group, ReplicaGroup):  # the runtime names and handles a replica's failure
-        message = f"an fsync collective across replicas failed at {stage}."
+        message = f"an fsync collective of a fault-tolerant step (fsync.ft) failed at {stage}."
         return CollectiveError(message, stage=stage, backend=failure.backend, reports={})
     steps = None if step is None else int(step)
     record = {"stage": stage, "step": steps}

@@ -518,3 +518,11 @@ def test_the_zero_step_is_refused_across_replicas():
     for group in (_Mirror(), mesh):
         with pytest.raises(ValueError, match="replica that dies takes its part with it"):
             fsync.ops.zero(fsync.optim.adam(1e-3), group=group)
+
+
+def test_a_replica_group_of_several_ranks_needs_its_store_and_its_ranks_group():
+    # Its ranks meet over `within` before their Managers start (a restarted group would read
+    # the dead Manager's address from torchrun's store otherwise): refused before any is made.
+    for missing in ({"store": ("localhost", 1)}, {"within": object()}):
+        with pytest.raises(ValueError, match="needs its TCPStore and its ranks' process group"):
+            fsync.ft.Replica.connect("http://localhost:1", "replica_0", world_size=2, **missing)
