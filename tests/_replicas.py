@@ -147,9 +147,8 @@ def main(config: dict[str, Any]) -> None:
     while len(list(out.glob("ready-*"))) < every and not config.get("restarted"):
         time.sleep(0.05)  # every replica's Manager up before the first quorum
     kill_at = config.get("kill")
-    kill_step = None if kill_at is None or config.get("restarted") else kill_at["step"]
-    if kill_at is not None and kill_at.get("rank", 0) != rank:
-        kill_step = None  # another rank of this replica group dies
+    dies = kill_at is not None and kill_at.get("rank", 0) == rank and not config.get("restarted")
+    kill_step = kill_at["step"] if dies else None  # (another rank of its group may die)
 
     def die(grad: torch.Tensor) -> torch.Tensor:
         if kill_at["when"] == "backward" and current["count"] == kill_step:
@@ -281,10 +280,7 @@ class Job:
             codes = [proc.poll() for proc in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
-                for proc in procs:
-                    if proc.poll() is None:
-                        proc.kill()
-                        proc.wait()
+                _stop(procs)
                 return failed[0]
             if all(c == 0 for c in codes):
                 return 0
@@ -309,11 +305,16 @@ class Job:
 
     def close(self) -> None:
         for procs in self.procs.values():
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            _stop(procs)
         self.lighthouse.shutdown()
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Kills those of ``procs`` still running, and reaps them."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 if __name__ == "__main__":  # run as tests._replicas, so that its states unpickle anywhere

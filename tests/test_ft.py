@@ -496,7 +496,7 @@ def _on_rank_replica_mesh_as_a_device_mesh():
             synced, sync_state = compressed(grads, sync_state)
             acc = deferred.add(grads, deferred.add(tree(99), acc))
             summed, acc = deferred.finish(acc)
-            params = {k: p - 0.1 * g for k, p in params.items() for g in [grads[k]]}
+            params = {k: p - 0.1 * grads[k] for k, p in params.items()}
             params, diloco_state = outer.update(params, diloco_state)
             got.append((synced, summed, params))
         results.append((got, sync_state))

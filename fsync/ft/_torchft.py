@@ -225,23 +225,23 @@ class ReplicaMesh(_comm.ReplicaGroup):
     def all_reduce(self, x: torch.Tensor, op: str) -> _comm.Pending:
         """``x`` reduced within this replica group, then across the replicas."""
         x = _comm.wait(_comm.all_reduce(x, op, self.within, inplace=True), _WITHIN)
-        return self._then_across(x, lambda y: self.across.all_reduce(y, op))
+        return _pending(_comm.all_reduce(x, op, self.across, inplace=True))
 
     def all_gather(self, x: torch.Tensor) -> _comm.Pending:
         """Every rank's ``x`` along dim 0, replica by replica."""
         x = _comm.wait(_comm.all_gather(x, self.within), _WITHIN)
-        return self._then_across(x, self.across.all_gather)
+        return _pending(_comm.all_gather(x, self.across))
 
     def broadcast(self, x: torch.Tensor, src: int) -> _comm.Pending:
         """Rank ``src``'s ``x``: from its place in every replica group, then from its replica."""
         local = _comm.size(self.within)
         x = _comm.wait(_comm.broadcast(x, src % local, self.within), _WITHIN)
-        return self._then_across(x, lambda y: self.across.broadcast(y, src // local))
+        return _pending(_comm.broadcast(x, src // local, self.across))
 
-    def _then_across(self, x: torch.Tensor, call: Any) -> _comm.Pending:
-        """``call(x)`` across the replicas, where there are others (as ``_comm`` skips a
-        collective of one rank)."""
-        return call(x) if self.across.size() > 1 else _comm.Pending(x, ())
+
+def _pending(x: _comm.Issued) -> _comm.Pending:
+    """``x`` as a ``Pending`` (``_comm`` returns a plain tensor where it issued nothing)."""
+    return x if isinstance(x, _comm.Pending) else _comm.Pending(x, ())
 
 
 def lighthouse(
@@ -336,4 +336,5 @@ def _clear_stale_keys(store: Any, rank: int, within: Any) -> None:
         client = names.TCPStore(*store, is_master=False, wait_for_workers=False)
         for key in (names.MANAGER_ADDR_KEY, names.REPLICA_ID_KEY):
             client.delete_key(key)
-    _comm.wait(_comm.all_reduce(torch.zeros(1), "sum", within), "the replica group's ranks meeting")
+    one = torch.ones(1, device=_comm.default_device(within))  # on the GPU over NCCL
+    _comm.wait(_comm.all_reduce(one, "sum", within), "the replica group's ranks meeting")
