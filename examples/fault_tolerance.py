@@ -15,6 +15,17 @@ collectives fail is discarded and the survivors go on; the restarted replica
 heals from a peer (parameters, Adam state, sync state, step count). At the end
 every replica has committed the same steps, and this process checks that their
 parameters and optimizer states are identical, bit for bit.
+
+Replica groups of several ranks, each group started by torchrun (whose
+``--max-restarts`` restarts a group one of whose ranks died), the last rank of
+replica 1 killed in backward at step 20:
+
+    python examples/fault_tolerance.py --replicas 2 --ranks-per-replica 2 --steps 60 --kill 1:20
+
+Within a group the sync is hierarchical (``fsync.ft.ReplicaMesh``): each bucket
+reduce-scattered within the group, each rank's shard reduced across replicas
+through its own torchft Manager, gathered within. Each rank trains on a shard of
+its own; at the end every rank of every group holds the same state.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from typing import Any, NamedTuple
 
 import optree
 import torch
+import torch.distributed as dist
 from torch import nn
 from train import make_model
 
@@ -52,12 +64,21 @@ class State(NamedTuple):
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=3, help="replica groups to start")
+    parser.add_argument(
+        "--ranks-per-replica",
+        type=int,
+        default=1,
+        help="ranks of each replica group (more than one: each group is a torchrun of its own)",
+    )
     parser.add_argument("--steps", type=int, default=60, help="steps the job commits")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument(
-        "--kill", default=None, metavar="REPLICA:STEP", help="SIGKILL a replica in backward"
+        "--kill",
+        default=None,
+        metavar="REPLICA:STEP",
+        help="SIGKILL a replica (its last rank) in backward",
     )
     parser.add_argument("--timeout", type=float, default=10.0, help="torchft's timeout (s)")
     parser.add_argument(
@@ -76,13 +97,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def replica(args: argparse.Namespace) -> None:
-    """One replica group of one process: train until the job has committed ``--steps``."""
+    """One rank of a replica group: train until the job has committed ``--steps``.
+
+    Under torchrun (``WORLD_SIZE`` > 1) the group's ranks form a gloo group of
+    their own and ``replica.group`` is two-level; a group restarted by torchrun
+    (``TORCHELASTIC_RESTART_COUNT``) is not killed again.
+    """
     torch.set_num_threads(1)
-    me = fsync.ft.Replica.connect(
-        args.lighthouse,
-        replica_id=f"replica_{args.replica}",
-        timeout=datetime.timedelta(seconds=args.timeout),
-    )
+    timeout = datetime.timedelta(seconds=args.timeout)
+    rank, ranks = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if ranks == 1:
+        me = fsync.ft.Replica.connect(
+            args.lighthouse, replica_id=f"replica_{args.replica}", timeout=timeout
+        )
+    else:
+        group_under_torchrun(rank, ranks, timeout)
+        me = fsync.ft.Replica.connect(
+            args.lighthouse,
+            replica_id=f"replica_{args.replica}",
+            timeout=timeout,
+            rank=rank,
+            world_size=ranks,
+            store=(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
+            within=dist.group.WORLD,
+        )
+    first_life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    die_at = args.die_at if rank == ranks - 1 and first_life else None
     torch.manual_seed(0)  # the same teacher and initial student in every replica
     teacher, model = make_model(64), make_model(args.width)
     params = {name: p.detach() for name, p in model.named_parameters()}
@@ -92,15 +132,16 @@ def replica(args: argparse.Namespace) -> None:
 
     def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
         out = torch.func.functional_call(model, params, (x,))
-        if args.die_at is not None and int(state.sync.step) == args.die_at:
+        if die_at is not None and int(state.sync.step) == die_at:
             out.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
         return nn.functional.mse_loss(out, y)
 
     grad_fn = sync.grad_and_value(loss_fn)
+    shard = args.replica * ranks + rank
 
     def train_step(state: State) -> tuple[State, float]:
-        # The batch of the step the job is at (after a heal, the peer's): this replica's shard.
-        data = torch.Generator().manual_seed(1000 * int(state.sync.step) + args.replica)
+        # The batch of the step the job is at (after a heal, the peer's): this rank's shard.
+        data = torch.Generator().manual_seed(1000 * int(state.sync.step) + shard)
         x = torch.randn(args.batch, 32, generator=data)
         with torch.no_grad():
             y = teacher(x)
@@ -119,22 +160,48 @@ def replica(args: argparse.Namespace) -> None:
         report["healed"] += outcome.healed
         if outcome.committed:
             report["loss"] = outcome.value
-    torch.save(state, pathlib.Path(args.out) / f"state-{args.replica}.pt")
-    (pathlib.Path(args.out) / f"report-{args.replica}.json").write_text(json.dumps(report))
+    torch.save(state, pathlib.Path(args.out) / f"state-{args.replica}-{rank}.pt")
+    report_file = pathlib.Path(args.out) / f"report-{args.replica}-{rank}.json"
+    report_file.write_text(json.dumps({**report, "life": 1 if first_life else 2}))
     me.close()
     os._exit(0)  # torchft's threads need not be joined
 
 
+def group_under_torchrun(rank: int, ranks: int, timeout: datetime.timedelta) -> None:
+    """This replica group's gloo group, on torchrun's store under a prefix of its own per life.
+
+    torchrun keeps its store across ``--max-restarts``: a plain
+    ``init_process_group("gloo")`` in a restarted group can read the dead
+    ranks' addresses there and fail ("Gloo connectFullMesh failed ... Connection
+    refused"), seen with torch 2.13. Every rank of the group is restarted
+    together, so ``TORCHELASTIC_RESTART_COUNT`` names its life on all of them.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    life = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefixed = dist.PrefixStore(f"replica_group/{life}", store)
+    dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=ranks, timeout=timeout)
+
+
 def launch(args: argparse.Namespace) -> None:
-    """The lighthouse here, a process per replica, one restart of a killed one, the checks."""
+    """The lighthouse here, each replica group, one restart of a killed one, the checks.
+
+    A group of one rank is a process of this script, restarted here once if it
+    died of a signal; a group of several is a torchrun, whose ``--max-restarts 1``
+    restarts all of its ranks when one dies.
+    """
     kill = None if args.kill is None else tuple(int(v) for v in args.kill.split(":"))
     minimum = args.replicas if args.min_replicas is None else args.min_replicas
     lighthouse = fsync.ft.lighthouse(min_replicas=minimum, join_timeout_ms=1000)
     out = pathlib.Path(tempfile.mkdtemp(prefix="fsync-ft-"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
+    ranks = args.ranks_per_replica
 
     def start(k: int, die_at: int | None = None) -> subprocess.Popen[bytes]:
         command = [sys.executable, __file__, "--replica", str(k), "--out", str(out)]
+        if ranks > 1:  # torchrun's store on a free port; one restart of all the group's ranks
+            torchrun = ["-m", "torch.distributed.run", "--standalone", "--max-restarts", "1"]
+            command[1:1] = [*torchrun, "--nproc-per-node", str(ranks)]
         command += ["--lighthouse", lighthouse.address(), "--steps", str(args.steps)]
         command += ["--batch", str(args.batch), "--width", str(args.width), "--lr", str(args.lr)]
         command += ["--timeout", str(args.timeout)]
@@ -142,7 +209,9 @@ def launch(args: argparse.Namespace) -> None:
         return subprocess.Popen(command, env=env)
 
     print(
-        f"fsync {fsync.__version__} on torchft: {args.replicas} replicas, {args.steps} steps"
+        f"fsync {fsync.__version__} on torchft: {args.replicas} replicas"
+        + ("" if ranks == 1 else f" of {ranks} ranks")
+        + f", {args.steps} steps"
         + ("" if kill is None else f", replica {kill[0]} killed in backward at step {kill[1]}")
     )
     started = time.perf_counter()
@@ -167,14 +236,15 @@ def launch(args: argparse.Namespace) -> None:
             del procs[k]
     elapsed = time.perf_counter() - started
     lighthouse.shutdown()
-    states = [torch.load(out / f"state-{k}.pt", weights_only=False) for k in range(args.replicas)]
-    for k in range(args.replicas):
-        report = json.loads((out / f"report-{k}.json").read_text())
+    names = [(k, r) for k in range(args.replicas) for r in range(ranks)]
+    states = [torch.load(out / f"state-{k}-{r}.pt", weights_only=False) for k, r in names]
+    for k, r in names:
+        report = json.loads((out / f"report-{k}-{r}.json").read_text())
         print(
-            f"replica {k}: {report['committed']} steps committed, {report['discarded']} "
-            f"discarded, healed {report['healed']} times, "
-            f"slowest step {report['slowest_s']:.2f} s, "
-            f"last loss {report['loss']:.4f}"
+            f"replica {k}{'' if ranks == 1 else f' rank {r}'}: {report['committed']} steps "
+            f"committed, {report['discarded']} discarded, healed {report['healed']} times, "
+            f"slowest step {report['slowest_s']:.2f} s, last loss {report['loss']:.4f}"
+            + ("" if report["life"] == 1 else " (restarted by torchrun)" if ranks > 1 else "")
         )
     leaves = [optree.tree_leaves(s) for s in states]
     same = all(
@@ -185,7 +255,8 @@ def launch(args: argparse.Namespace) -> None:
     print(f"{args.steps} steps in {elapsed:.1f} s; sync steps {sorted(steps)}")
     if not same or steps != {args.steps}:
         raise SystemExit("FAILED: the replicas' states differ")
-    print(f"OK: parameters and optimizer states identical on all {args.replicas} replicas")
+    everyone = f"all {args.replicas} replicas" + ("" if ranks == 1 else f" x {ranks} ranks")
+    print(f"OK: parameters and optimizer states identical on {everyone}")
 
 
 def main() -> None:

@@ -9,7 +9,9 @@ over all of its ranks, and ``hierarchy`` names its two dims for a hierarchical
 reduce) or ``None`` for the default group; a ``Recorder`` stands in for one where
 a sync is measured rather than run, and a ``ReplicaGroup`` for the live replicas
 of a fault-tolerant job (``fsync.ft``: its collectives go through torchft's
-``Manager``, eagerly). With one rank no collective is issued.
+``Manager``, eagerly; one of several ranks per replica group names its two levels,
+within the group and across replicas, and ``hierarchy`` takes them as a 2-D
+mesh's). With one rank no collective is issued.
 
 Owns: every call into ``torch.distributed`` and the differences between torch
 releases. May import: torch only (layer 1, the bottom of fsync).

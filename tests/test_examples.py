@@ -151,3 +151,22 @@ def test_fault_tolerance_survives_a_replica_killed_in_backward():
     for k in (0, 2):  # the survivors lost the step replica 1 died in, and went on
         assert number(rf"^replica {k}: \d+ steps committed, (\d+) discarded", out) >= 1
     assert "OK: parameters and optimizer states identical on all 3 replicas" in out
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 30)
+def test_fault_tolerance_replica_groups_of_two_ranks_restarted_by_torchrun():
+    pytest.importorskip("torchft", reason="fsync.ft needs torchft: pip install -e '.[test]'")
+    command = [sys.executable, "examples/fault_tolerance.py", "--replicas", "2", "--steps", "12"]
+    done = subprocess.run(
+        [*command, "--ranks-per-replica", "2", "--kill", "1:5", "--timeout", "5"],
+        cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-4000:]
+    for r in (0, 1):  # torchrun restarted replica 1's two ranks; each healed from its peer rank
+        line = rf"^replica 1 rank {r}: \d+ steps committed, \d+ discarded, healed (\d+) times"
+        assert number(line, out) >= 1
+        assert re.search(rf"^replica 1 rank {r}: .*\(restarted by torchrun\)$", out, re.M), out
+        # replica 0's ranks lost the step replica 1 died in, and went on
+        assert number(rf"^replica 0 rank {r}: \d+ steps committed, (\d+) discarded", out) >= 1
+    assert "OK: parameters and optimizer states identical on all 2 replicas x 2 ranks" in out
