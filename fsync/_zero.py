@@ -64,8 +64,21 @@ _META = torch.device("meta")
 
 
 def _layout_of(step: ZeroStep, plan: BucketPlan) -> ZeroLayout:
-    group = step.group
+    group = step.shard_group
     return zero_layout(plan, _comm.size(group), _comm.rank(group), step.shard_buckets)
+
+
+def _shard_group(group: _comm.Group) -> _comm.Group:
+    """The ranks a ZeRO step splits its update and optimizer state over: ``group``'s, or a
+    replica group's own ranks (``fsync.ft.ReplicaMesh``), each part replicated across
+    replicas so that a dead replica's parts live on in its peers and a heal (rank ``r``
+    from rank ``r`` of a peer) brings a rank its own part."""
+    if not isinstance(group, _comm.ReplicaGroup):
+        return group
+    levels = _comm.hierarchy(group)
+    if levels is None:
+        raise ValueError(_ZERO_ACROSS_REPLICAS)
+    return levels[1]
 
 
 def _fit(step: ZeroStep, params: Any, state: Any, what: str) -> tuple[_planner.Planned, ZeroLayout]:
@@ -119,7 +132,9 @@ class ZeroStep:
         options: The sync options (hook and bucket sizes).
         hook: The hook the gradient buckets go through (the default filled in).
         shard_buckets: Whether buckets are sharded (``True``) or owned whole.
-        group: The process group.
+        group: The process group the gradients are reduced over.
+        shard_group: The ranks the update and the optimizer state are split over:
+            ``group``, or a replica group's own ranks (``fsync.ft.ReplicaMesh``).
         update_in_backward: Where ``value_and_step`` updates (``None``: by device).
     """
 
@@ -138,6 +153,7 @@ class ZeroStep:
         self.hook: Hook = hook_of(options)
         self.shard_buckets = bool(shard_buckets)
         self.group = group
+        self.shard_group = _shard_group(group)
         self.update_in_backward = update_in_backward
 
     def layout(self, state: ZeroState, /) -> ZeroLayout:
@@ -285,7 +301,9 @@ def _overlapped_call(
         in_backward = step.update_in_backward
         if in_backward is None:  # the CPU's cores are backward's: update after it there
             in_backward = any(t.device.type != "cpu" for t in p_leaves if t is not None)
-        stages = functools.partial(_Overlapped, layout, step.optimizer, p_leaves, state.opt)
+        stages = functools.partial(
+            _Overlapped, layout, step.optimizer, p_leaves, state.opt, gather_over=step.shard_group
+        )
         (buffers, opt_state, hook_state), output = synced_backward(
             settings.forward(args, kwargs, rebuild),
             settings.value,
@@ -348,7 +366,9 @@ def _stepped(
     )
     # Each rank needs only its shard of a bucket: the hook may reduce-scatter it.
     ctx = context(layout.plan, step.group, agreed.divisor, scatter=step.shard_buckets)
-    pipeline = ZeroPipeline(layout, step.optimizer, params, state.opt, step.hook, state.hook, ctx)
+    pipeline = ZeroPipeline(
+        layout, step.optimizer, params, state.opt, step.hook, state.hook, ctx, step.shard_group
+    )
     pipeline.push_all(dense(buckets, layout.plan))
     return pipeline.drain()
 
@@ -370,9 +390,11 @@ class _Overlapped:
         group: _comm.Group,
         agreement: Agreement,
         *,
+        gather_over: _comm.Group,
         in_backward: bool,
     ) -> None:
         self._make = functools.partial(ZeroPipeline, layout, optimizer, params, opt_state, hook)
+        self._gather_over = gather_over
         self._in_backward = in_backward
         self._plan, self._hook_state, self._group = plan, hook_state, group
         self._agreement, self._scatter = agreement, layout.shard_buckets
@@ -382,7 +404,7 @@ class _Overlapped:
         if self._pipeline is None:  # the first bucket waits for the ranks' agreement
             divisor = self._agreement.conclude().divisor
             ctx = context(self._plan, self._group, divisor, scatter=self._scatter)
-            self._pipeline = self._make(self._hook_state, ctx)
+            self._pipeline = self._make(self._hook_state, ctx, self._gather_over)
         return self._pipeline
 
     def start(self, k: int, buffer: torch.Tensor) -> None:
@@ -400,12 +422,11 @@ class _Overlapped:
 
 
 _ZERO_ACROSS_REPLICAS = (
-    "fsync.ops.zero got group=an fsync.ft replica group; expected a process group or mesh "
-    "of fixed members. The ZeRO step keeps each part of the optimizer state on one rank "
-    "alone: across replicas, a replica that dies takes its part with it, and one that heals "
-    "would receive a peer's part in place of its own. Across replicas, sync with "
-    "fsync.GradSync(group=replica.group) and update with the optimizer itself (its state "
-    "replicated, healed whole)."
+    "fsync.ops.zero got group=the replica group of an fsync.ft.Replica of one rank; expected "
+    "a process group, a mesh, or a replica group of several ranks (Replica(manager, "
+    "within=...)). The ZeRO step splits its update over the ranks of a replica group and "
+    "replicates each part across replicas; a replica group of one rank has nothing to split "
+    "it over: update with the optimizer itself (its state replicated, healed whole)."
 )
 
 
@@ -443,7 +464,11 @@ def zero(
             ``DeviceMesh``, ``(DeviceMesh, dim)``, or a 2-D ``DeviceMesh``
             ``(nodes, local)``: gradients are then reduced hierarchically (as
             [fsync.sync_grads][] does) and the ranks of the whole mesh share
-            the update.
+            the update. Or ``replica.group`` of an [fsync.ft.Replica][] of
+            several ranks: reduced hierarchically, within the replica group and
+            across replicas, the update split over the replica group's ranks
+            and each part replicated across replicas (the guide "Fault
+            tolerance").
         bucket_cap_mb: Bucket size limit in MiB; ``None``: 25, or 4 on a 2-D mesh
             (see [fsync.SyncOptions][]).
         first_bucket_mb: Size limit of the first bucket in MiB.
@@ -463,7 +488,7 @@ def zero(
         TypeError: ``optimizer`` or ``hook`` has the wrong type, or
             ``update_in_backward`` is not a bool or ``None``.
         ValueError: A bucket size is not a finite positive number, or ``group`` is
-            the live replicas of a fault-tolerant job (``fsync.ft``).
+            the replica group of an [fsync.ft.Replica][] of one rank.
 
     Example:
         >>> import torch, fsync
@@ -474,8 +499,6 @@ def zero(
         >>> params["b"]
         tensor([-0.5000, -0.5000])
     """
-    if isinstance(group, _comm.ReplicaGroup):
-        raise ValueError(_ZERO_ACROSS_REPLICAS)
     given = OptionKeywords(hook=hook, first_bucket_mb=first_bucket_mb)
     if bucket_cap_mb is not None:  # else the default for the group (SyncOptions.of)
         given["bucket_cap_mb"] = bucket_cap_mb
@@ -509,7 +532,7 @@ def zero_state_dict(state: ZeroState, step: ZeroStep, /, *, to: int = 0) -> Any:
     Args:
         state: This rank's [fsync.ops.ZeroState][].
         step: The [fsync.ops.ZeroStep][] the state belongs to.
-        to: The rank (within the step's group) that receives the full state.
+        to: The rank (within the step's ``shard_group``) that receives the full state.
 
     Returns:
         The full optimizer state on rank ``to``; ``None`` on the other ranks.
@@ -517,7 +540,7 @@ def zero_state_dict(state: ZeroState, step: ZeroStep, /, *, to: int = 0) -> Any:
     Raises:
         TypeError: ``step`` is not a [fsync.ops.ZeroStep][] or ``state`` not a
             [fsync.ops.ZeroState][].
-        ValueError: ``to`` is not a rank of the group, or ``state`` belongs to
+        ValueError: ``to`` is not a rank of that group, or ``state`` belongs to
             another plan, world size or rank.
 
     Example:
@@ -548,7 +571,7 @@ def zero_state_dict(state: ZeroState, step: ZeroStep, /, *, to: int = 0) -> Any:
         if not layout.is_pieces(slot):
             out.append(slot)
             continue
-        buffers = gather(layout, slot, step.group, [t.dtype for t in template])
+        buffers = gather(layout, slot, step.shard_group, [t.dtype for t in template])
         out.append(_tree.unflatten(plan.treespec, _pack.unpack_leaves(buffers, plan)))
     if layout.rank != to:
         return None

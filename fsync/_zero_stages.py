@@ -137,6 +137,8 @@ class ZeroPipeline:
         hook_state: Its state.
         ctx: The hook's context for every dense bucket, the ranks' agreement done
             (``_reduce.context``, with ``scatter`` when buckets are sharded).
+        gather_over: The ranks the layout splits the update over, which gather the
+            pieces: ``ctx.group``'s, or a replica group's own (``ZeroStep.shard_group``).
     """
 
     def __init__(
@@ -148,8 +150,10 @@ class ZeroPipeline:
         hook: Hook,
         hook_state: Any,
         ctx: SyncContext,
+        gather_over: _comm.Group,
     ) -> None:
         self._layout, self._params = layout, params
+        self._gather_over = gather_over  # ctx.group's ranks, or a replica group's own
         self._hook, self._hook_state, self._ctx = hook, hook_state, ctx
         self._updates = PieceUpdates(optimizer, layout, opt_state)
         # Whether a bucket can be reduced on its own, and updated on its own.
@@ -268,5 +272,5 @@ class ZeroPipeline:
         if piece is None and not self._layout.shard_buckets:
             piece = reduced
         self._gathering.append(
-            start_gather(self._layout, k, piece, self._dtype(k), self._ctx.group)
+            start_gather(self._layout, k, piece, self._dtype(k), self._gather_over)
         )

@@ -69,6 +69,9 @@ def setup(config: dict[str, Any], group: Any):
     sync = fsync.GradSync(group=group, hook=hook, bucket_cap_mb=0.001, first_bucket_mb=0.001)
     opt = fsync.optim.sgd(0.05, momentum=0.9)
     params = model(config.get("width", WIDTH))
+    if config["mode"] == "zero":  # the update split over a replica group's ranks
+        zero = fsync.ops.zero(opt, group=group, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+        return zero, None, TrainState(params, (), zero.init(params), torch.tensor(0))
     if config["mode"] == "diloco":
         h = config.get("inner_steps", 2)
         outer = fsync.diloco(h, group=group, bucket_cap_mb=0.001, first_bucket_mb=0.001)
@@ -88,6 +91,10 @@ def train_step(sync: Any, opt: Any, config: dict[str, Any], rank: int, kill: Any
             params, opt_state = opt.update(state.params, grads, state.opt)
             params, outer_state = sync.update(params, state.sync)
             return TrainState(params, opt_state, outer_state, state.count + 1), float(loss)
+        if config["mode"] == "zero":
+            call = sync.value_and_step(loss_fn)
+            (params, loss), zero_state = call(state.sync, state.params, x, y, kill)
+            return TrainState(params, (), zero_state, state.count + 1), float(loss)
         (grads, loss), sync_state = sync.grad_and_value(loss_fn)(
             state.sync, state.params, x, y, kill
         )
@@ -199,6 +206,10 @@ def main(config: dict[str, Any]) -> None:
         if kill_step is not None and kill_at["when"] == "between" and outcome.step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
     torch.save(state, out / f"final-{me}.pt")
+    if config["mode"] == "zero":  # the optimizer state whole, gathered in the replica group
+        full = fsync.ops.zero_state_dict(state.sync, sync)
+        if rank == 0:
+            torch.save(full, out / f"full-{me}.pt")
     log.write(json.dumps({"event": "done"}) + "\n")
     replica.close()
     os._exit(0)  # torchft's threads need not be joined
@@ -302,6 +313,10 @@ class Job:
         path = self.dir / f"final-{name(index, rank, self.ranks)}.pt"
         state: TrainState = torch.load(path, weights_only=False)
         return state
+
+    def full_optimizer_state(self, index: int) -> Any:
+        """A ZeRO replica group's optimizer state whole, as its rank 0 gathered it."""
+        return torch.load(self.dir / f"full-{name(index, 0, self.ranks)}.pt", weights_only=False)
 
     def close(self) -> None:
         for procs in self.procs.values():

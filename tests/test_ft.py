@@ -155,14 +155,16 @@ def test_a_replica_killed_between_steps_restarts_and_heals_diloco_state(tmp_path
 
 
 @pytest.mark.timeout(240)
-def test_replica_groups_of_two_ranks_survive_a_rank_killed_in_backward(tmp_path):
+@pytest.mark.parametrize("mode", ["grad", "zero"])
+def test_replica_groups_of_two_ranks_survive_a_rank_killed_in_backward(tmp_path, mode):
     # Two replica groups of two ranks (a node each, say), each with a gloo group of its own:
     # the sync is hierarchical (fsync.ft.ReplicaMesh), each bucket reduce-scattered within
     # the group during backward, each rank's shard across replicas with rank r of the
-    # other, gathered within. Rank 1 of replica 1 dies in backward; as under torchrun, its
-    # whole group stops and starts again, and each of its ranks heals from the same rank of
-    # replica 0.
-    config = {**_config(), "ranks": 2, "min_replicas": 2}
+    # other, gathered within; with the ZeRO step ("zero"), the update split over the group's
+    # two ranks, each half of the momentum replicated across replicas. Rank 1 of replica 1
+    # dies in backward; as under torchrun, its whole group stops and starts again, and each
+    # of its ranks heals from the same rank of replica 0 (for ZeRO: its own half).
+    config = {**_config(), "ranks": 2, "min_replicas": 2, "mode": mode}
     job, codes, step = _run(tmp_path, config, victim=1, when="backward", rank=1)
     assert codes == {0: 0, 1: 0}, job.stderr(0) + job.stderr(1)
     ranks = [(k, r) for k in range(2) for r in range(2)]
@@ -178,9 +180,21 @@ def test_replica_groups_of_two_ranks_survive_a_rank_killed_in_backward(tmp_path)
     # job computed what plain fsync does over a 2 x 2 DeviceMesh, bit for bit (the same
     # reduce-scatter within, a sum of two shards across: gloo's through torchft, exact in
     # either order): the discarded step left no trace, and none was applied twice.
-    plain = get_world(4).run(_replicas.plain, config)
+    plain = get_world(4).run(_replicas.plain, {**config, "mode": "grad"})
+    if mode == "grad":
+        for k, r in ranks:
+            assert _identical(job.final(k, r), plain[2 * k + r]), (k, r)
+        return
+    # ZeRO: rank r of each replica holds the same part (a heal brought rank r its own);
+    # the parameters and the momentum whole are plain fsync's with torch.optim's SGD
+    # operations on the same synced gradients (elementwise: split or not, the same bits).
+    for r in range(2):
+        assert _identical(job.final(0, r).sync, job.final(1, r).sync), r
     for k, r in ranks:
-        assert _identical(job.final(k, r), plain[2 * k + r]), (k, r)
+        final = job.final(k, r)
+        assert _identical((final.params, final.count), (plain[0].params, plain[0].count))
+    for k in range(2):
+        assert _identical(job.full_optimizer_state(k), plain[0].opt), k
 
 
 @pytest.mark.timeout(200)
@@ -511,13 +525,59 @@ def test_every_entry_point_over_a_replica_mesh_takes_the_meshs_path():
     assert all(get_world(4).run(_on_rank_replica_mesh_as_a_device_mesh))
 
 
-def test_the_zero_step_is_refused_across_replicas():
-    # Each part of its optimizer state lives on one rank alone: across replicas a death
-    # would lose it, and a heal would hand a replica a peer's part in place of its own.
-    mesh = fsync.ft.ReplicaMesh(None, _Mirror())
-    for group in (_Mirror(), mesh):
-        with pytest.raises(ValueError, match="replica that dies takes its part with it"):
-            fsync.ops.zero(fsync.optim.adam(1e-3), group=group)
+def _on_rank_zero_over_a_replica_mesh(shard_buckets):
+    """The ZeRO step over a ReplicaMesh whose other replica group mirrors this one: its update
+    split over the group's two ranks, every part replicated across; the same bits as the
+    plain optimizer after a sync over a 2 x 2 DeviceMesh whose node 1 holds node 0's data."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    replicas = fsync.ft.ReplicaMesh(pairs[rank // 2], _Mirror())
+
+    def tree(seed):
+        g = torch.Generator().manual_seed(seed)
+        shapes = [("w", (9, 8)), ("v", (5, 7)), ("b", (31,))]
+        return {k: torch.randn(*s, generator=g) for k, s in shapes}
+
+    def linear(params, grads):  # its gradient is `grads`, bit for bit (d(p * g)/dp = 1 * g)
+        return sum((params[k] * grads[k]).sum() for k in params)
+
+    small = {"bucket_cap_mb": 0.0001, "first_bucket_mb": 0.0001}
+    opt = fsync.optim.adamw(1e-2, weight_decay=0.1)
+    zero = fsync.ops.zero(opt, group=replicas, shard_buckets=shard_buckets, **small)
+    assert zero.shard_group is pairs[rank // 2]
+    plain = fsync.GradSync(group=mesh, **small)
+    params = expected = tree(7)  # the same on every rank
+    state, plain_state, opt_state = zero.init(params), plain.init(params), opt.init(params)
+    assert zero.layout(state).world_size == 2  # split within the replica group alone
+    for step in range(3):
+        grads = tree(10 * step + rank % 2)  # node 1 holds node 0's gradients
+        if step % 2:
+            (params, _), state = zero.value_and_step(linear)(state, params, grads)
+        else:
+            params, state = zero(params, grads, state)
+        synced, plain_state = plain(grads, plain_state)
+        expected, opt_state = opt.update(expected, synced, opt_state)
+        assert all(torch.equal(params[k], expected[k]) for k in params), (rank, step)
+    full = fsync.ops.zero_state_dict(state, zero)  # gathered within the replica group
+    if rank % 2:
+        return full is None
+    mine, theirs = fsync._tree.flatten(full)[0], fsync._tree.flatten(opt_state)[0]
+    return len(mine) == len(theirs) and all(map(torch.equal, mine, theirs))
+
+
+@pytest.mark.parametrize("shard_buckets", [True, False])
+def test_the_zero_step_over_a_replica_mesh_splits_within_and_replicates_across(shard_buckets):
+    assert all(get_world(4).run(_on_rank_zero_over_a_replica_mesh, shard_buckets))
+
+
+def test_the_zero_step_is_refused_over_replicas_of_one_rank():
+    # Nothing to split the update over: the optimizer itself, its state healed whole.
+    with pytest.raises(ValueError, match="a replica group of one rank has nothing to split"):
+        fsync.ops.zero(fsync.optim.adam(1e-3), group=_Mirror())
 
 
 def test_a_replica_group_of_several_ranks_needs_its_store_and_its_ranks_group():
