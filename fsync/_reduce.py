@@ -412,13 +412,15 @@ class Pipeline:
     one before gathered, the two kinds of link busy at once. ``drain`` finishes
     the last two and returns every bucket whole. Every rank pushes the buckets in
     the plan's order, so every rank issues the same collectives in the same order
-    on each group.
+    on each group. With ``gather=False`` the shards are not gathered: ``drain``
+    returns this rank's shard of every bucket, reduced.
     """
 
-    def __init__(self, hook: Hook, state: Any, ctx: SyncContext) -> None:
+    def __init__(self, hook: Hook, state: Any, ctx: SyncContext, *, gather: bool = True) -> None:
         across, within = _levels(ctx.group)
         assert within is not None, "a pipeline is for a 2-D mesh"
         self._hook, self._state, self._ctx, self._within = hook, state, ctx, within
+        self._gather = gather
         self._cross = cross_context(ctx, across, within)
         self._started: list[torch.Tensor] = []
         self._crossing: list[torch.Tensor] = []
@@ -434,7 +436,7 @@ class Pipeline:
             self._start_gathering(k - 2)
 
     def drain(self) -> list[torch.Tensor]:
-        """Every pushed bucket, reduced and whole (its padding cut)."""
+        """Every pushed bucket, reduced and whole (its padding cut); or its shard."""
         n = len(self._started)
         for k in range(len(self._crossing), n):
             self._start_crossing(k)
@@ -452,7 +454,7 @@ class Pipeline:
 
     def _start_gathering(self, k: int) -> None:
         crossed = finish_hook([self._crossing[k]], alone(self._cross, k), " across nodes")[0]
-        self._gathering.append(_comm.all_gather(crossed, self._within))
+        self._gathering.append(_comm.all_gather(crossed, self._within) if self._gather else crossed)
 
 
 def pipelined(hook: Hook, state: Any) -> bool:
@@ -461,24 +463,26 @@ def pipelined(hook: Hook, state: Any) -> bool:
 
 
 def reduce_started(
-    started: list[torch.Tensor], hook: Hook, state: Any, ctx: SyncContext
+    started: list[torch.Tensor], hook: Hook, state: Any, ctx: SyncContext, *, gather: bool = True
 ) -> tuple[list[torch.Tensor], Any]:
     """``reduce_dense`` for buckets whose within-node part ``start_within`` already issued.
 
     On a 2-D mesh a bucketwise hook goes through a ``Pipeline``; another (PowerSGD)
-    runs across nodes on every shard at once, between the within-node stages.
+    runs across nodes on every shard at once, between the within-node stages. With
+    ``gather=False`` a hierarchical reduce returns this rank's shard of each bucket
+    (``ceil(numel / local)`` elements, zero-padded) instead of gathering it whole.
     """
     across, within = _levels(ctx.group)
     if within is None:
         return apply_hook(started, hook, state, ctx)
     if pipelined(hook, state):
-        pipeline = Pipeline(hook, state, ctx)
+        pipeline = Pipeline(hook, state, ctx, gather=gather)
         for pending in started:
             pipeline.push(pending)
         return pipeline.drain(), state
     shards = [_comm.wait(s, _WITHIN) for s in started]
     out, state = reduce_across(shards, hook, state, ctx, across, within)
-    return gather_within(out, ctx.buckets, within), state
+    return (gather_within(out, ctx.buckets, within) if gather else out), state
 
 
 def with_sparse(

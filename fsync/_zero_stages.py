@@ -219,8 +219,11 @@ class ZeroPipeline:
         return len(self._gathering)
 
     def _reduce_all(self) -> None:
+        # Split within a replica group of a hierarchical reduce (ZeroStep.shard_group): the
+        # shard that crossed is this rank's part, HSDP's way, so it is not gathered first.
+        mine = self._layout.shard_buckets and self._gather_over is not self._ctx.group
         self._reduced, self._hook_state = reduce_started(
-            self._started, self._hook, self._hook_state, self._ctx
+            self._started, self._hook, self._hook_state, self._ctx, gather=not mine
         )
 
     def _grad(self, k: int) -> torch.Tensor:
