@@ -162,7 +162,7 @@ def replica(args: argparse.Namespace) -> None:
             report["loss"] = outcome.value
     torch.save(state, pathlib.Path(args.out) / f"state-{args.replica}-{rank}.pt")
     report_file = pathlib.Path(args.out) / f"report-{args.replica}-{rank}.json"
-    report_file.write_text(json.dumps({**report, "life": 1 if first_life else 2}))
+    report_file.write_text(json.dumps({**report, "restarted_by_torchrun": not first_life}))
     me.close()
     os._exit(0)  # torchft's threads need not be joined
 
@@ -244,7 +244,7 @@ def launch(args: argparse.Namespace) -> None:
             f"replica {k}{'' if ranks == 1 else f' rank {r}'}: {report['committed']} steps "
             f"committed, {report['discarded']} discarded, healed {report['healed']} times, "
             f"slowest step {report['slowest_s']:.2f} s, last loss {report['loss']:.4f}"
-            + ("" if report["life"] == 1 else " (restarted by torchrun)" if ranks > 1 else "")
+            + (" (restarted by torchrun)" if report["restarted_by_torchrun"] else "")
         )
     leaves = [optree.tree_leaves(s) for s in states]
     same = all(

@@ -215,6 +215,17 @@ def _consecutive(parts: Sequence[torch.Tensor]) -> bool:
     return True
 
 
+def own_part(layout: ZeroLayout, bucket: int, reduced: torch.Tensor) -> torch.Tensor:
+    """This rank's part of bucket ``bucket`` once reduced: the bucket itself where buckets
+    are owned whole, else this rank's shard of it; ``reduced`` is the whole bucket (a hook
+    that returns it, PowerSGD; a hierarchical reduce's) or the shard already (a
+    reduce-scatter's, or the shard that crossed replicas)."""
+    if layout.shard_buckets and reduced.numel() == layout.plan.specs[bucket].numel:
+        # Were it a one-element shard instead, the two readings agree.
+        return _pack.shard_of(reduced, layout.rank, layout.world_size)
+    return reduced
+
+
 def start_gather(
     layout: ZeroLayout,
     bucket: int,

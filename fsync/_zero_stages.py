@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from fsync import _comm, _pack, _tree
+from fsync import _comm, _tree
 from fsync._hook import Hook, SyncContext
 from fsync._reduce import (
     alone,
@@ -55,7 +55,14 @@ from fsync._reduce import (
     start_bucket,
     start_within,
 )
-from fsync._zero_layout import Piece, ZeroLayout, check_pieces, read_range, start_gather
+from fsync._zero_layout import (
+    Piece,
+    ZeroLayout,
+    check_pieces,
+    own_part,
+    read_range,
+    start_gather,
+)
 from fsync.optim._base import Optimizer
 
 
@@ -235,12 +242,7 @@ class ZeroPipeline:
         else:
             self._reduce_all()
             return self._grad(k)
-        layout = self._layout
-        if layout.shard_buckets and reduced.numel() == layout.plan.specs[k].numel:
-            # A hook that returned the whole bucket (PowerSGD, ...): take our shard.
-            # Were it a one-element shard instead, the two readings agree.
-            return _pack.shard_of(reduced, layout.rank, layout.world_size)
-        return reduced
+        return own_part(self._layout, k, reduced)
 
     def _param(self, j: int) -> torch.Tensor:
         piece = self._layout.pieces[j]
