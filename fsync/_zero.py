@@ -55,6 +55,7 @@ from fsync._zero_layout import (
     gather,
     pack_range,
     shard_full,
+    shard_group,
     zero_layout,
 )
 from fsync._zero_stages import ZeroPipeline
@@ -66,19 +67,6 @@ _META = torch.device("meta")
 def _layout_of(step: ZeroStep, plan: BucketPlan) -> ZeroLayout:
     group = step.shard_group
     return zero_layout(plan, _comm.size(group), _comm.rank(group), step.shard_buckets)
-
-
-def _shard_group(group: _comm.Group) -> _comm.Group:
-    """The ranks a ZeRO step splits its update and optimizer state over: ``group``'s, or a
-    replica group's own ranks (``fsync.ft.ReplicaMesh``), each part replicated across
-    replicas so that a dead replica's parts live on in its peers and a heal (rank ``r``
-    from rank ``r`` of a peer) brings a rank its own part."""
-    if not isinstance(group, _comm.ReplicaGroup):
-        return group
-    levels = _comm.hierarchy(group)
-    if levels is None:
-        raise ValueError(_ZERO_ACROSS_REPLICAS)
-    return levels[1]
 
 
 def _fit(step: ZeroStep, params: Any, state: Any, what: str) -> tuple[_planner.Planned, ZeroLayout]:
@@ -153,7 +141,7 @@ class ZeroStep:
         self.hook: Hook = hook_of(options)
         self.shard_buckets = bool(shard_buckets)
         self.group = group
-        self.shard_group = _shard_group(group)
+        self.shard_group = shard_group(group)
         self.update_in_backward = update_in_backward
 
     def layout(self, state: ZeroState, /) -> ZeroLayout:
@@ -301,9 +289,7 @@ def _overlapped_call(
         in_backward = step.update_in_backward
         if in_backward is None:  # the CPU's cores are backward's: update after it there
             in_backward = any(t.device.type != "cpu" for t in p_leaves if t is not None)
-        stages = functools.partial(
-            _Overlapped, layout, step.optimizer, p_leaves, state.opt, gather_over=step.shard_group
-        )
+        stages = functools.partial(_Overlapped, layout, step.optimizer, p_leaves, state.opt)
         (buffers, opt_state, hook_state), output = synced_backward(
             settings.forward(args, kwargs, rebuild),
             settings.value,
@@ -366,9 +352,7 @@ def _stepped(
     )
     # Each rank needs only its shard of a bucket: the hook may reduce-scatter it.
     ctx = context(layout.plan, step.group, agreed.divisor, scatter=step.shard_buckets)
-    pipeline = ZeroPipeline(
-        layout, step.optimizer, params, state.opt, step.hook, state.hook, ctx, step.shard_group
-    )
+    pipeline = ZeroPipeline(layout, step.optimizer, params, state.opt, step.hook, state.hook, ctx)
     pipeline.push_all(dense(buckets, layout.plan))
     return pipeline.drain()
 
@@ -390,11 +374,9 @@ class _Overlapped:
         group: _comm.Group,
         agreement: Agreement,
         *,
-        gather_over: _comm.Group,
         in_backward: bool,
     ) -> None:
         self._make = functools.partial(ZeroPipeline, layout, optimizer, params, opt_state, hook)
-        self._gather_over = gather_over
         self._in_backward = in_backward
         self._plan, self._hook_state, self._group = plan, hook_state, group
         self._agreement, self._scatter = agreement, layout.shard_buckets
@@ -404,7 +386,7 @@ class _Overlapped:
         if self._pipeline is None:  # the first bucket waits for the ranks' agreement
             divisor = self._agreement.conclude().divisor
             ctx = context(self._plan, self._group, divisor, scatter=self._scatter)
-            self._pipeline = self._make(self._hook_state, ctx, self._gather_over)
+            self._pipeline = self._make(self._hook_state, ctx)
         return self._pipeline
 
     def start(self, k: int, buffer: torch.Tensor) -> None:
@@ -419,15 +401,6 @@ class _Overlapped:
     def finish(self) -> tuple[list[torch.Tensor], Any, Any]:
         """The last bucket updated, every gather waited for (``ZeroPipeline.drain``)."""
         return self._started().drain()
-
-
-_ZERO_ACROSS_REPLICAS = (
-    "fsync.ops.zero got group=the replica group of an fsync.ft.Replica of one rank; expected "
-    "a process group, a mesh, or a replica group of several ranks (Replica(manager, "
-    "within=...)). The ZeRO step splits its update over the ranks of a replica group and "
-    "replicates each part across replicas; a replica group of one rank has nothing to split "
-    "it over: update with the optimizer itself (its state replicated, healed whole)."
-)
 
 
 def zero(

@@ -5,8 +5,9 @@ bucket plan: with ``shard_buckets=True`` each bucket is cut into ``world_size``
 equal shards (zero-padded) and every rank updates its shard of every bucket; with
 ``shard_buckets=False`` each bucket is owned whole by one rank, chosen by size so
 that ranks hold similar amounts. ``ZeroLayout`` is that split as a pure value of
-the plan, the world size, the rank and the mode; ``ZeroState`` is a rank's state,
-its optimizer state cut into the layout's pieces. This module also moves pieces:
+the plan, the world size, the rank and the mode, the world being ``shard_group``'s
+(the step's group, or a fault-tolerant replica group's own ranks); ``ZeroState`` is
+a rank's state, its optimizer state cut into the layout's pieces. This module also moves pieces:
 packing a piece from leaves, gathering every rank's pieces into whole buckets,
 and cutting a full optimizer state into this rank's pieces (``shard_full``).
 
@@ -27,6 +28,14 @@ from fsync._serialization import register_state
 from fsync.optim._base import Optimizer
 
 _META = torch.device("meta")
+
+_ZERO_ACROSS_REPLICAS = (
+    "fsync.ops.zero got group=the replica group of an fsync.ft.Replica of one rank; expected "
+    "a process group, a mesh, or a replica group of several ranks (Replica(manager, "
+    "within=...)). The ZeRO step splits its update over the ranks of a replica group and "
+    "replicates each part across replicas; a replica group of one rank has nothing to split "
+    "it over: update with the optimizer itself (its state replicated, healed whole)."
+)
 
 GATHER_FIX = (
     "Gather it with fsync.ops.zero_state_dict(state, step) on the world that made it and shard "
@@ -213,6 +222,19 @@ def _consecutive(parts: Sequence[torch.Tensor]) -> bool:
             return False
         end += part.numel()
     return True
+
+
+def shard_group(group: _comm.Group) -> _comm.Group:
+    """The ranks a ZeRO step splits its update and optimizer state over: ``group``'s, or a
+    replica group's own ranks (``fsync.ft.ReplicaMesh``), each part replicated across
+    replicas so that a dead replica's parts live on in its peers and a heal (rank ``r``
+    from rank ``r`` of a peer) brings a rank its own part."""
+    if not isinstance(group, _comm.ReplicaGroup):
+        return group
+    levels = _comm.hierarchy(group)
+    if levels is None:
+        raise ValueError(_ZERO_ACROSS_REPLICAS)
+    return levels[1]
 
 
 def own_part(layout: ZeroLayout, bucket: int, reduced: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,6 @@ The unit tests drive the transaction with a stand-in Manager.
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 import signal
@@ -527,11 +526,6 @@ def test_every_entry_point_over_a_replica_mesh_takes_the_meshs_path():
     assert all(get_world(4).run(_on_rank_replica_mesh_as_a_device_mesh))
 
 
-def _counted(calls, gather, x, group, *args, **kwargs):
-    calls.append(group)
-    return gather(x, group, *args, **kwargs)
-
-
 def _on_rank_zero_over_a_replica_mesh(shard_buckets):
     """The ZeRO step over a ReplicaMesh whose other replica group mirrors this one: its update
     split over the group's two ranks, every part replicated across; the same bits as the
@@ -572,11 +566,9 @@ def _on_rank_zero_over_a_replica_mesh(shard_buckets):
     # Within the replica group one all-gather per bucket and step: the parameters' parts with
     # shard_buckets (the shard that crossed is this rank's part, not gathered first), else
     # the reduced gradients, whole for their owners (the parameters then go by broadcast).
-    gathers = []
-    counted = functools.partial(_counted, gathers, _comm.all_gather)
-    with mock.patch.object(_comm, "all_gather", counted):
+    with mock.patch.object(_comm, "all_gather", wraps=_comm.all_gather) as gathers:
         zero(params, grads, state)
-    within = [group for group in gathers if group is pairs[rank // 2]]
+    within = [c for c in gathers.call_args_list if c.args[1] is pairs[rank // 2]]
     assert len(within) == len(zero.layout(state).plan.specs) > 1, (rank, len(within))
     full = fsync.ops.zero_state_dict(state, zero)  # gathered within the replica group
     if rank % 2:
