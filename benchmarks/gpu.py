@@ -306,6 +306,7 @@ def part_kernels(save: Save) -> None:
     """Pack + scale and unpack of each workload's gradient tree, compiled, taken apart;
     saved tree by tree."""
     import torch
+    import torch._dynamo
 
     from benchmarks import models
 

@@ -14,7 +14,7 @@ within the group and across replicas, and ``hierarchy`` takes them as a 2-D
 mesh's). With one rank no collective is issued.
 
 Owns: every call into ``torch.distributed`` and the differences between torch
-releases. May import: torch only (layer 1, the bottom of fsync).
+releases. May import: torch and ``_trace`` (layer 1, the bottom of fsync).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import json
 import pickle
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,8 @@ from torch.distributed.distributed_c10d import (  # type: ignore[attr-defined]
     _get_process_group_store,
     _resolve_process_group,
 )
+
+from fsync import _trace
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
@@ -312,11 +314,7 @@ def _group_name(group: Group) -> str:
 
 # The name c10d knows a group by: what a custom op can carry into a compiled graph. Read
 # as Python at trace time (the group is a constant there; its name type is not traceable).
-_constant = cast(
-    Callable[[Callable[[Group], str]], Callable[[Group], str]],
-    torch.compiler.assume_constant_result,
-)
-group_name = _constant(_group_name)
+group_name = _trace.constant_result(_group_name)
 
 
 def _on_gloo(group: Group) -> bool:
@@ -332,7 +330,7 @@ def _on_gloo(group: Group) -> bool:
 # all-to-all and a local sum (68.6 against 112 ms on an 8 Gbit/s link). So on gloo a
 # reduce-scatter is always composed from the faster collective, and an all-gather eagerly
 # (compiled, c10d's is as fast: see all_gather). Read at trace time, like the group's name.
-on_gloo = cast(Callable[[Group], bool], _constant(_on_gloo))  # type: ignore[arg-type]
+on_gloo = _trace.constant_result(_on_gloo)
 
 
 def group_named(name: str) -> dist.ProcessGroup:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import pathlib
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from fsync import _tree
 
@@ -35,7 +36,7 @@ OVERLAP_OPTIONS: dict[str, Any] = {
 }
 
 
-class ScaleBeforeConcat(CustomGraphPass):
+class ScaleBeforeConcat:
     """An inductor pass: ``cat(xs) * c`` becomes ``cat([x * c for x in xs])``.
 
     A bucket is packed by concatenating its leaves and then divided by the world
@@ -44,6 +45,10 @@ class ScaleBeforeConcat(CustomGraphPass):
     same bits (an elementwise product by a scalar does not care where the element
     sits) in one pass over memory instead of two. Only floating-point
     concatenations with a single user and a Python scalar factor are rewritten.
+
+    An inductor ``CustomGraphPass`` (its ``uuid`` keys inductor's cache), registered as
+    one by :func:`compile` rather than subclassed here: importing inductor's interface
+    imports inductor and dynamo, which ``import fsync`` does not (``fsync._trace``).
     """
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -65,7 +70,8 @@ class ScaleBeforeConcat(CustomGraphPass):
             graph.erase_node(cat)
 
     def uuid(self) -> Any:
-        return get_hash_for_files((__file__,))
+        """This file's hash: inductor's cache key for the pass (a new fsync, a new key)."""
+        return hashlib.sha256(pathlib.Path(__file__).read_bytes()).digest()
 
 
 def _scaled_concat(
@@ -139,6 +145,10 @@ def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs
     # Static shapes: buckets are planned from them, and a shape that changed between calls
     # must be a new plan (which the ranks then check) rather than a symbolic one.
     kwargs.setdefault("dynamic", False)
+    # torch.compile imports inductor anyway; its pass interface is registered once loaded.
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    CustomGraphPass.register(ScaleBeforeConcat)
     options = {
         "post_grad_custom_post_pass": ScaleBeforeConcat(),
         **(OVERLAP_OPTIONS if overlap else {}),

@@ -10,7 +10,7 @@ graph, its checks run once per compilation, and no planning is traced.
 
 Owns: flattening for a plan, [fsync.plan_buckets][], DDP's assignment on
 tensors ([fsync.compute_bucket_assignment_by_size][]) and the check that a tree
-fits a plan. May import: ``_tree``, ``_plan``, ``_checks`` (layers 1 to 3).
+fits a plan. May import: ``_tree``, ``_trace``, ``_plan``, ``_checks`` (layers 1 to 3).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 import optree
 import torch
 
-from fsync import _checks, _tree
+from fsync import _checks, _trace, _tree
 from fsync._plan import (
     BucketPlan,
     LeafSpec,
@@ -97,10 +97,10 @@ class Found(NamedTuple):
 def python_at_trace_time(fn: _F) -> _F:
     """Marks ``fn`` for dynamo to call as Python, its result a constant of the graph.
 
-    ``torch.compiler.assume_constant_result``, typed; eagerly a plain call. The
-    arguments must be constants (metadata, keys, options, plans). A ``ValueError``
-    or ``TypeError`` that ``fn`` raises (a check that failed) is handed out of it
-    as a value and raised again by the caller: inside the constant function
+    ``torch.compiler.assume_constant_result`` (``_trace.constant_result``), typed;
+    eagerly a plain call. The arguments must be constants (metadata, keys, options,
+    plans). A ``ValueError`` or ``TypeError`` that ``fn`` raises (a check that failed)
+    is handed out of it as a value and raised again by the caller: inside the constant function
     dynamo would wrap it in an error of its own, while raised by traced code it
     is fsync's error, which an entry point can catch and turn into every rank's
     (``_agree.refuse``).
@@ -112,7 +112,7 @@ def python_at_trace_time(fn: _F) -> _F:
         except (ValueError, TypeError) as error:
             return Found(type(error).__name__, str(error))
 
-    constant = cast(Callable[..., Any], torch.compiler.assume_constant_result)(checked)
+    constant = _trace.constant_result(checked)
 
     @functools.wraps(fn)
     def call(*args: Any) -> Any:

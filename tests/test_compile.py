@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import optree
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import fsync
 from benchmarks import models
 from benchmarks.steps import overlapped_kernels
 from fsync import _tree
+from tests._launch import bounded
 from tests._models import func_loss, params_of, ref_batch, ref_model
 from tests._world import World
 
@@ -55,8 +58,6 @@ def test_overlap_settings_change_no_result(world: World):
 
 
 def _on_rank_overlap_in_code():
-    from torch._inductor.utils import run_and_get_code
-
     rank = dist.get_rank()
     model, step = _sgd_step()
 
@@ -182,6 +183,40 @@ def test_scale_before_concat_leaves_other_graphs_alone():
         before = str(gm.graph)
         ScaleBeforeConcat()(gm.graph)
         assert str(gm.graph) == before, fn.__name__
+
+
+# A fresh interpreter: fsync imports neither dynamo nor inductor, and the mark it sets on a
+# function for dynamo (fsync._trace) is the one torch.compiler.assume_constant_result sets.
+_IMPORT_AND_MARK = """
+import sys
+import fsync
+from fsync import _trace
+heavy = sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules)
+assert not heavy, f"import fsync imported {heavy}"
+def ours(): return 1
+def torchs(): return 1
+_trace.constant_result(ours)
+import torch
+torch.compiler.assume_constant_result(torchs)
+assert vars(ours) == vars(torchs) != {}, (vars(ours), vars(torchs))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_import_fsync_loads_no_compiler_and_marks_constants_as_torch_does():
+    bounded([sys.executable, "-c", _IMPORT_AND_MARK], 100, "import fsync")
+
+
+def test_fsync_compile_keeps_inductors_cache_with_its_pass():
+    # ScaleBeforeConcat is registered as inductor's CustomGraphPass when fsync.compile is
+    # called (not subclassed, so that import fsync does not load inductor): a pass that is
+    # not one makes inductor bypass its graph cache, recompiling in every process.
+    counters.clear()
+    step = fsync.compile(lambda a, b: torch.cat([a + 1, b * 3]) * 0.5)
+    x = torch.arange(8.0)  # small integers and halves: every result exact in float32
+    assert torch.equal(step(x, x), torch.cat([x + 1, x * 3]) * 0.5)
+    cache = {k: n for k, n in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+    assert "fxgraph_cache_bypass" not in cache and sum(cache.values()) == 1, cache
 
 
 def _on_rank_fsync_compile_bitwise():

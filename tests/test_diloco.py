@@ -11,6 +11,7 @@ import io
 
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.device_mesh import init_device_mesh

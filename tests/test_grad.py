@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh

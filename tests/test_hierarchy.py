@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 

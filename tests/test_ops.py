@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 
 import fsync

@@ -14,6 +14,7 @@ import io
 
 import pytest
 import torch
+import torch._dynamo
 
 import fsync
 from tests._models import params_of, ref_model

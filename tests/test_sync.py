@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
