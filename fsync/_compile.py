@@ -47,7 +47,7 @@ class ScaleBeforeConcat:
     concatenations with a single user and a Python scalar factor are rewritten.
 
     An inductor ``CustomGraphPass`` (its ``uuid`` keys inductor's cache), registered as
-    one by :func:`compile` rather than subclassed here: importing inductor's interface
+    one by [fsync.compile][] rather than subclassed here: importing inductor's interface
     imports inductor and dynamo, which ``import fsync`` does not (``fsync._trace``).
     """
 

@@ -4,7 +4,7 @@
 5.1 s that ``import fsync`` took on the 2-core CI machine, 2026-11-28): a process
 that never compiles (an eager rank, a launcher, a checkpoint reader) would pay it
 for nothing. ``torch.compiler.assume_constant_result`` imports dynamo to set one
-attribute on the function it marks; :func:`constant_result` sets the same
+attribute on the function it marks; ``constant_result`` sets the same
 attribute itself while dynamo is not imported yet, and calls torch's once it is.
 ``tests/test_compile.py`` checks that both mark a function alike, so a torch
 release that marks differently fails there rather than at a user's first compile.
