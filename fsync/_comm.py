@@ -14,7 +14,7 @@ within the group and across replicas, and ``hierarchy`` takes them as a 2-D
 mesh's). With one rank no collective is issued.
 
 Owns: every call into ``torch.distributed`` and the differences between torch
-releases. May import: torch and ``_trace`` (layer 1, the bottom of fsync).
+releases. May import: torch and ``_trace`` (layer 1, above ``_trace`` alone).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import pathlib
 from collections.abc import Callable
@@ -71,7 +72,13 @@ class ScaleBeforeConcat:
 
     def uuid(self) -> Any:
         """This file's hash: inductor's cache key for the pass (a new fsync, a new key)."""
-        return hashlib.sha256(pathlib.Path(__file__).read_bytes()).digest()
+        return _source_hash()
+
+
+@functools.cache
+def _source_hash() -> bytes:
+    """The SHA-256 of this file, read once (inductor asks for the key at every compile)."""
+    return hashlib.sha256(pathlib.Path(__file__).read_bytes()).digest()
 
 
 def _scaled_concat(

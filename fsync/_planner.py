@@ -100,10 +100,10 @@ def python_at_trace_time(fn: _F) -> _F:
     ``torch.compiler.assume_constant_result`` (``_trace.constant_result``), typed;
     eagerly a plain call. The arguments must be constants (metadata, keys, options,
     plans). A ``ValueError`` or ``TypeError`` that ``fn`` raises (a check that failed)
-    is handed out of it as a value and raised again by the caller: inside the constant function
-    dynamo would wrap it in an error of its own, while raised by traced code it
-    is fsync's error, which an entry point can catch and turn into every rank's
-    (``_agree.refuse``).
+    is handed out of it as a value and raised again by the caller: inside the
+    constant function dynamo would wrap it in an error of its own, while raised by
+    traced code it is fsync's error, which an entry point can catch and turn into
+    every rank's (``_agree.refuse``).
     """
 
     def checked(*args: Any) -> Any:
