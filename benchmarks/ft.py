@@ -19,10 +19,10 @@ The page answers three questions:
 Questions 1 and 2 are timed as every page times settings (:mod:`benchmarks.harness`):
 each setting in a world of processes of its own, the settings taking turns round by
 round; a torchft setting's world gets a lighthouse of its own, made here and named to
-its builder. Each rate (unshaped, and 8 Gbit/s under ``../shared/tools/slownet``, which
-needs root) runs in a child of this page (``--child RATE``); the recovery runs in the
-unshaped child, its replicas started as fresh interpreters (``--replica CONFIG``) so that
-a restart costs what a real one does. By hand, one rate::
+its builder. The unshaped rate runs in the page's own process, 8 Gbit/s in a child of it
+(``--child RATE``) under ``../shared/tools/slownet`` (which needs root); the recovery runs
+unshaped, its replicas started as fresh interpreters (``--replica CONFIG``) so that a
+restart costs what a real one does. By hand, one rate::
 
     ../shared/tools/slownet --rate 8gbit -- python -m benchmarks.ft --child 8gbit \\
         --json 8gbit.json
@@ -472,8 +472,8 @@ def timeline(
 # --- one rate, in its namespace -------------------------------------------------------------
 
 
-def child(args: argparse.Namespace) -> dict[str, Any]:
-    """Every row at one rate (the loopback already shaped); the recovery where unshaped."""
+def child(args: argparse.Namespace, rate: str) -> dict[str, Any]:
+    """Every row at ``rate`` (the loopback already shaped); the recovery where unshaped."""
     from benchmarks import harness
 
     os.environ.setdefault("RUST_LOG", "error")  # the lighthouses' log: errors only
@@ -493,8 +493,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             for lighthouse in made.values():
                 lighthouse.shutdown()
-        print(f"ft {args.child}: {load} ({time.perf_counter() - started:.0f} s)", flush=True)
-    if args.child == "unshaped":
+        print(f"ft {rate}: {load} ({time.perf_counter() - started:.0f} s)", flush=True)
+    if rate == "unshaped":
         kill_at, after = (2, 1) if args.smoke else (5, 3)
         for load in loads(args.smoke):
             started = time.perf_counter()
@@ -507,16 +507,18 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Every rate, each in a child of its own (under slownet unless unshaped)."""
+    """Every rate: unshaped in this process, each shaped one in a child under slownet."""
     from benchmarks import harness
 
     results: dict[str, Any] = {}
     for rate in ["unshaped"] if args.smoke else [r for r in args.rates.split(",") if r]:
+        if rate == "unshaped":  # this machine's loopback as it is: nothing to shape
+            results[rate] = child(args, rate)
+            continue
         command = [sys.executable, "-m", "benchmarks.ft", "--child", rate]
         command += [f"--rounds={args.rounds}", f"--steps={args.steps}"]
         command += [f"--warmup={args.warmup}", *(["--smoke"] if args.smoke else [])]
-        tool = None if rate == "unshaped" else args.slownet
-        found = harness.at_rate(command, rate, tool, {})
+        found = harness.at_rate(command, rate, args.slownet, {})
         if found is None:  # not root: the page shows what ran
             break
         results[rate] = found
@@ -718,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.child:
         assert args.json is not None
-        args.json.write_text(json.dumps(child(args)))
+        args.json.write_text(json.dumps(child(args, args.child)))
         return 0
     from benchmarks import table
 

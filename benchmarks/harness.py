@@ -442,28 +442,21 @@ def inductor_cache(tmp: str, smoke: bool) -> dict[str, str]:
 
 
 def at_rate(
-    command: list[str], rate: str, tool: pathlib.Path | None, env: Mapping[str, str]
+    command: list[str], rate: str, tool: pathlib.Path, env: Mapping[str, str]
 ) -> dict[str, Any] | None:
-    """Runs a page's ``command`` for one ``rate`` and returns the JSON it writes to the path
-    given after ``--json`` (added here); under ``tool --rate RATE --`` where ``tool`` is
-    given (``slownet`` takes the command's words; ``twonodes`` runs it on both nodes, as one
-    line for bash). ``None`` where the tool cannot make its network (exit 3: not root)."""
+    """Runs a page's ``command`` for one shaped ``rate`` under ``tool --rate RATE --``
+    (``slownet`` takes the command's words; ``twonodes`` runs it on both nodes, as one line
+    for bash) and returns the JSON it writes to the path given after ``--json`` (added
+    here). ``None`` where the tool cannot make its network (exit 3: not root)."""
     with tempfile.TemporaryDirectory(prefix="fsync-rate-") as tmp:
         path = pathlib.Path(tmp) / "results.json"
         command = [*command, "--json", str(path)]
-        if tool is not None:
-            line = tool.name == "twonodes"
-            command = [
-                str(tool),
-                "--rate",
-                rate,
-                "--",
-                *([shlex.join(command)] if line else command),
-            ]
+        line = tool.name == "twonodes"
+        command = [str(tool), "--rate", rate, "--", *([shlex.join(command)] if line else command)]
         root = str(pathlib.Path(__file__).resolve().parents[1])
         path_env = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
         done = subprocess.run(command, cwd=root, env={**os.environ, "PYTHONPATH": path_env, **env})
-        if done.returncode == 3 and tool is not None:
+        if done.returncode == 3:
             print(f"{tool.name} could not make its network for {rate} (it needs root)", flush=True)
             return None
         done.check_returncode()

@@ -2,10 +2,10 @@
 
 Between machines, collectives wait on the network rather than on the CPU, and a step can
 hide them behind backward; two ranks on one machine talk over a loopback as fast as
-memory. So each rate (unshaped, 16, 8 and 4 Gbit/s) runs in a child of this page
-(``--child RATE``) inside ``slownet`` (``../shared/tools/slownet``, as root: a network
-namespace whose loopback is shaped to the rate), where each row's settings take turns in
-worlds of their own (:mod:`benchmarks.harness`); the parent writes
+memory. So each shaped rate (16, 8 and 4 Gbit/s) runs in a child of this page (``--child
+RATE``) inside ``slownet`` (``../shared/tools/slownet``, as root: a network namespace whose
+loopback is shaped to the rate), the unshaped one in the page's own process; each row's
+settings take turns in worlds of their own (:mod:`benchmarks.harness`); the page writes
 ``docs/benchmarks-link.md`` and its figures. The rows are :func:`rows`'s, the method the
 page's :data:`READING`. By hand, one rate::
 
@@ -176,20 +176,21 @@ def memory_step(load: Load, name: str) -> Callable[[], object]:
 # --- one rate, in its namespace --------------------------------------------------------------
 
 
-def child(args: argparse.Namespace) -> dict[str, Any]:
-    """Every row of one rate (the namespace's loopback is already shaped)."""
-    timing = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
-    memory = {"rounds": 1, "steps": args.steps, "warmup": 1, "follow_rss": True}
+def child(args: argparse.Namespace, rate: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Every row of ``rate`` (the loopback already shaped to it); ``env`` set in every
+    setting's processes."""
+    timing = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "env": env}
+    memory = {"rounds": 1, "steps": args.steps, "warmup": 1, "follow_rss": True, "env": env}
 
     def turns(settings: list[Setting], how: dict[str, Any]) -> Row | None:
         return harness.turns(settings, **how)
 
     out: dict[str, Any] = {}
-    todo = rows(args.child, args.smoke)
+    todo = rows(rate, args.smoke)
     for load, cap in todo.steps:
         started = time.perf_counter()
         out[row_key(load, cap)] = turns(row_settings(load, cap), timing)
-        print(f"link {args.child}: {row_key(load, cap)} ({time.perf_counter() - started:.0f} s)")
+        print(f"link {rate}: {row_key(load, cap)} ({time.perf_counter() - started:.0f} s)")
     for load in todo.sync:
         sync = [setting(n, steps.sync_alone, load=load, how=n, cap=CAP_MB) for n in SYNC_ALONE]
         out["sync alone"] = turns(sync, timing)
@@ -202,15 +203,18 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Every rate, each in a child of its own (under slownet unless unshaped)."""
+    """Every rate: unshaped in this process, each shaped one in a child under slownet."""
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fsync-link-") as tmp:
+        env = harness.inductor_cache(tmp, args.smoke)
         for rate in ["unshaped"] if args.smoke else [r for r in args.rates.split(",") if r]:
+            if rate == "unshaped":  # this machine's loopback as it is: nothing to shape
+                results[rate] = child(args, rate, env)
+                continue
             command = [sys.executable, "-m", "benchmarks.link", "--child", rate]
             command += [f"--rounds={args.rounds}", f"--steps={args.steps}"]
             command += [f"--warmup={args.warmup}", *(["--smoke"] if args.smoke else [])]
-            tool = None if rate == "unshaped" else args.slownet
-            found = harness.at_rate(command, rate, tool, harness.inductor_cache(tmp, args.smoke))
+            found = harness.at_rate(command, rate, args.slownet, env)
             if found is None:  # not root: the page shows what ran
                 break
             results[rate] = found
@@ -504,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         assert args.json is not None
-        args.json.write_text(json.dumps(child(args)))
+        args.json.write_text(json.dumps(child(args, args.child)))
         return 0
     if args.from_json:
         saved = json.loads(args.from_json.read_text())

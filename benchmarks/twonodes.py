@@ -269,9 +269,12 @@ def gpt_step(smoke: bool, name: str) -> Callable[[], None]:
 # --- one node's processes, at one rate --------------------------------------------------------
 
 
-def node(args: argparse.Namespace) -> dict[str, Any] | None:
-    """Runs this node's ranks of every world, in turns; node 0 returns the results."""
-    local = args.rate == SMOKE_RATE
+def node(
+    args: argparse.Namespace, rate: str, env: dict[str, str] | None = None
+) -> dict[str, Any] | None:
+    """Runs this node's ranks of every world at ``rate``, in turns (``env`` set in every
+    rank); node 0 returns the results. At :data:`SMOKE_RATE`, all four ranks here."""
+    local = rate == SMOKE_RATE
     rank = 0 if local else int(os.environ["NODE_RANK"])
     host = "127.0.0.1" if local else os.environ["MASTER_ADDR"]
 
@@ -281,7 +284,9 @@ def node(args: argparse.Namespace) -> dict[str, Any] | None:
         """The ``k``-th round of turns: on two nodes, its store on a port of its own."""
         where = harness.Node(NODES, rank, LOCAL, host, PORT + k)
         where = harness.Node(1, 0, NODES * LOCAL, host) if local else where
-        return harness.turns(settings, node=where, rounds=rounds, steps=steps, warmup=warmup)
+        return harness.turns(
+            settings, node=where, env=env, rounds=rounds, steps=steps, warmup=warmup
+        )
 
     sync = {
         tree: turns(
@@ -313,17 +318,20 @@ def node(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any] | None:
-    """Every rate, each in a fresh two-node launch; ``None`` where twonodes cannot run."""
+    """Every rate, each in a fresh two-node launch (:data:`SMOKE_RATE`: four ranks forked
+    from this process); ``None`` where twonodes cannot run."""
     default = [SMOKE_RATE] if args.smoke else RATES
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fsync-twonodes-") as tmp:
+        env = {"OMP_NUM_THREADS": "1", **harness.inductor_cache(tmp, args.smoke)}
         for rate in [r for r in args.rates.split(",") if r] if args.rates else default:
+            if rate == SMOKE_RATE:  # one loopback, no namespaces: nothing to launch
+                results[rate] = node(args, rate, env)
+                continue
             command = [sys.executable, "-m", "benchmarks.twonodes", "--node", "--rate", rate]
             command += [f"--rounds={args.rounds}", f"--steps={args.steps}"]
             command += [f"--warmup={args.warmup}", *(["--smoke"] if args.smoke else [])]
-            tool = None if rate == SMOKE_RATE else args.twonodes
-            env = {"OMP_NUM_THREADS": "1", **harness.inductor_cache(tmp, args.smoke)}
-            if (found := harness.at_rate(command, rate, tool, env)) is None:
+            if (found := harness.at_rate(command, rate, args.twonodes, env)) is None:
                 return None
             results[rate] = found
     results["environment"] = table.environment(sizes="smoke (tiny)" if args.smoke else "full")
@@ -516,7 +524,7 @@ def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.node:
-        results = node(args)
+        results = node(args, args.rate)
         if results is not None:
             assert args.json is not None
             args.json.write_text(json.dumps(results))

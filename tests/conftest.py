@@ -1,8 +1,11 @@
-"""Fixtures: gloo worlds shared across the session, one per size."""
+"""Fixtures: gloo worlds shared across the session, one per size; the benchmark pages
+written once for every test that reads one."""
 
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +17,7 @@ import pytest
 # section, cold, 112 s -> 87 s; the two heaviest compiled tests 94 s -> 80 s.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "2")
 
+from tests._launch import PAGES_TIMEOUT_S, bounded
 from tests._world import World, close_all
 
 _WORLDS: dict[int, World] = {}
@@ -38,3 +42,27 @@ def _close_worlds() -> Iterator[None]:
     yield
     close_all(list(_WORLDS.values()))
     _WORLDS.clear()
+
+
+# ``benchmarks/run.py --only``'s cases for each page a test can read (``page(NAME)``).
+_PAGE_CASES = {
+    "main": "step,sync,leaves,hooks,anatomy",
+    "link": "link",
+    "twonodes": "twonodes",
+    "ft": "ft",
+}
+
+
+@pytest.fixture(scope="session")
+def smoke_pages(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> pathlib.Path:
+    """The folder where one ``benchmarks/run.py --smoke`` wrote every page that this
+    session's tests marked ``page(NAME)`` read: one interpreter and one forkserver for all
+    of them (each page's own run started three interpreters before its first setting)."""
+    pages = {mark.args[0] for item in request.session.items for mark in item.iter_markers("page")}
+    cases = ",".join(_PAGE_CASES[page] for page in sorted(pages))
+    out = tmp_path_factory.mktemp("pages")
+    command = [sys.executable, "benchmarks/run.py", "--smoke", "--leaves", "1,10"]
+    bounded([*command, "--only", cases, "--out", str(out)], PAGES_TIMEOUT_S, "the pages' smoke run")
+    return out

@@ -2,7 +2,8 @@
 its harness takes turns between settings in processes of their own.
 
 The real numbers come from ``python benchmarks/run.py`` on a quiet machine (see
-``docs/benchmarks.md``); here only that every page runs and that its report is complete.
+``docs/benchmarks.md``); here only that every page runs and that its report is complete
+(the pages of one smoke run for the whole session: the ``smoke_pages`` fixture).
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-import pathlib
 import re
 import sys
 
@@ -18,20 +18,9 @@ import pytest
 
 from benchmarks import harness, link, run, table, twonodes, zero
 from tests import _harness_settings
-from tests._launch import bounded
+from tests._launch import PAGES_TIMEOUT_S, bounded
 
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def _smoke(out: pathlib.Path, *args: str, timeout: float = 580) -> str:
-    """``benchmarks/run.py --smoke`` into ``out`` (a page's own test and time limit); its
-    output. A run past ``timeout`` is killed with its processes, before the test's limit."""
-    command = [sys.executable, "benchmarks/run.py", "--smoke", "--out", str(out), *args]
-    return _run(command, timeout)
-
-
-def _run(command: list[str], timeout: float) -> str:
-    return bounded(command, timeout, " ".join(command))
 
 
 def _row(**rounds: list[float]) -> harness.Row:
@@ -94,10 +83,10 @@ def test_a_ratio_is_taken_round_by_round():
     assert table.spread(spread) == "1.00x [0.90, 1.10]"
 
 
-@pytest.mark.timeout(600)
-def test_smoke_run_writes_every_section(tmp_path):
-    _smoke(tmp_path, "--leaves", "1,10", "--only", "step,sync,leaves,hooks,anatomy")
-    md = (tmp_path / "benchmarks.md").read_text()
+@pytest.mark.page("main")
+@pytest.mark.timeout(PAGES_TIMEOUT_S + 60)
+def test_smoke_run_writes_every_section(smoke_pages):
+    md = (smoke_pages / "benchmarks.md").read_text()
     for section in ("Targets", "1. Step time, MLP", "1b. Overlap", "2. Sync", "3. Leaf scaling"):
         assert f"## {section}" in md
     for section in ("4. Hooks", "6. The compiled sync", "7. GPU"):
@@ -115,13 +104,14 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert f"| {run.OVERLAP} | " in md and "x [" in md.split(f"| {run.OVERLAP} | ")[1]
     assert "pack + unpack kernels per bucket <= 2 (cpu)" in md
     for png in ("step", "leaves", "hooks"):
-        assert (tmp_path / f"benchmarks-{png}.png").read_bytes()[:8] == PNG
+        assert (smoke_pages / f"benchmarks-{png}.png").read_bytes()[:8] == PNG
 
 
 @pytest.mark.timeout(180)
 def test_timeline_tells_when_each_setting_issued_its_buckets():
     args = ["--smoke", "--steps", "2", "--workload", "GPT"]
-    out = _run([sys.executable, "-m", "benchmarks.timeline", *args], timeout=160)
+    command = [sys.executable, "-m", "benchmarks.timeline", *args]
+    out = bounded(command, 160, " ".join(command))
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
     times = {(r[0].strip(), r[1].strip()): [float(x) for x in r[2:]] for r in rows[1:]}
     assert set(times) == {(s, r) for s in ("DDP eager", "fsync.grad_and_value") for r in "01"}
@@ -129,12 +119,12 @@ def test_timeline_tells_when_each_setting_issued_its_buckets():
     assert all(row == sorted(row) and row[0] > 0 for row in times.values()), times
 
 
-@pytest.mark.timeout(600)
-def test_smoke_run_writes_the_slow_link_page(tmp_path):
+@pytest.mark.page("link")
+@pytest.mark.timeout(PAGES_TIMEOUT_S + 60)
+def test_smoke_run_writes_the_slow_link_page(smoke_pages):
     # Smoke: the unshaped loopback only, so no root is needed; one row of steps (the MLP
     # the rate table reads; the other workloads take the same path).
-    _smoke(tmp_path, "--only", "link")
-    md = (tmp_path / "benchmarks-link.md").read_text()
+    md = (smoke_pages / "benchmarks-link.md").read_text()
     for section in (
         "Targets",
         "Step time against link rate",
@@ -161,15 +151,15 @@ def test_smoke_run_writes_the_slow_link_page(tmp_path):
     for setting in (zero.VALUE_AND_STEP, zero.VALUE_AND_STEP_COMPILED):
         assert f"| {setting} | " in md, setting
     for png in ("step", "hidden", "workloads", "workloads-hidden", "memory"):
-        assert (tmp_path / f"benchmarks-link-{png}.png").read_bytes()[:8] == PNG
+        assert (smoke_pages / f"benchmarks-link-{png}.png").read_bytes()[:8] == PNG
 
 
-@pytest.mark.timeout(600)
-def test_smoke_run_writes_the_two_node_page(tmp_path):
+@pytest.mark.page("twonodes")
+@pytest.mark.timeout(PAGES_TIMEOUT_S + 60)
+def test_smoke_run_writes_the_two_node_page(smoke_pages):
     # Smoke: worlds of 4 ranks on this machine's loopback, without twonodes or root; the
     # sync alone on one tree (the GPT's gradients take the same path).
-    _smoke(tmp_path, "--only", "twonodes")
-    md = (tmp_path / "benchmarks-twonodes.md").read_text()
+    md = (smoke_pages / "benchmarks-twonodes.md").read_text()
     for section in (
         "## Targets",
         f"## The sync alone: {twonodes.TREE}",  # the smoke run's one tree
@@ -187,7 +177,7 @@ def test_smoke_run_writes_the_two_node_page(tmp_path):
     assert rows[twonodes.HIER] == rows[twonodes.HIER_COMPILED] == "0.67x"
     assert rows[twonodes.HIER_BF16] == "0.33x"
     for png in ("sync", "step", "bytes"):
-        assert (tmp_path / f"benchmarks-twonodes-{png}.png").read_bytes()[:8] == PNG
+        assert (smoke_pages / f"benchmarks-twonodes-{png}.png").read_bytes()[:8] == PNG
 
 
 def _link_row(**settings: float) -> harness.Row:

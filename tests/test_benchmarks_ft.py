@@ -8,17 +8,12 @@ the page runs and is complete, and (without processes) that its pure helpers are
 from __future__ import annotations
 
 import pathlib
-import sys
 from typing import Any
 
 import pytest
 
 from benchmarks import ft, harness
-from tests._launch import bounded
-
-# The smoke run takes 40-45 s on 2 quiet cores, 75 s with another job on them (load 6);
-# most of it is interpreters starting (the page's child, the forkserver, four replicas).
-SMOKE_TIMEOUT_S = 120
+from tests._launch import PAGES_TIMEOUT_S
 
 
 def _row(**ms: list[float]) -> harness.Row:
@@ -46,11 +41,10 @@ def _recovered(survivor_s: float, restart_s: float, healed: bool = True) -> dict
     }
 
 
-@pytest.mark.timeout(SMOKE_TIMEOUT_S + 30)
-def test_smoke_run_writes_every_section_and_row(tmp_path: pathlib.Path) -> None:
-    command = [sys.executable, "-m", "benchmarks.ft", "--smoke", "--out", str(tmp_path)]
-    bounded(command, SMOKE_TIMEOUT_S, "the smoke run")
-    page = (tmp_path / "benchmarks-ft.md").read_text()
+@pytest.mark.page("ft")
+@pytest.mark.timeout(PAGES_TIMEOUT_S + 60)
+def test_smoke_run_writes_every_section_and_row(smoke_pages: pathlib.Path) -> None:
+    page = (smoke_pages / "benchmarks-ft.md").read_text()
     headings = [
         "# Benchmarks: fault tolerance on torchft",
         "## Targets",
