@@ -36,6 +36,22 @@ OVERLAP_OPTIONS: dict[str, Any] = {
     "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits_iterative"],
 }
 
+# Inductor's graph caches (FX graph and AOTAutograd) refuse any graph holding a
+# higher-order op unless that op is marked cacheable, and torch.cond is not: it bypassed
+# them "to be safe" (pytorch#123325; the opt-in is ``unsafe_marked_cacheable_functions``,
+# pytorch#135877). A cond's branches are GraphModules inside the graph, which both caches'
+# keys hash with it: graphs whose branches differ by one constant got different keys, and a
+# hit returned each branch's own result (checked with torch 2.13, and by
+# tests/test_compile.py). fsync's PowerSGD ``start_step`` and DiLoCo's outer step are
+# conds, so without this every process compiled them cold: the compiled hooks' graph of
+# tests/test_ops.py took 26.7 s in every run, warm cache or not. The value is part of
+# the key: changing it invalidates what was cached under it.
+CACHE_OPTIONS: dict[str, Any] = {
+    "unsafe_marked_cacheable_functions": {
+        "torch.ops.higher_order.cond": "fsync: a cond's branches are hashed with its graph"
+    }
+}
+
 
 class ScaleBeforeConcat:
     """An inductor pass: ``cat(xs) * c`` becomes ``cat([x * c for x in xs])``.
@@ -119,9 +135,11 @@ def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs
     the compiler). In either case a post-grad pass (``ScaleBeforeConcat``)
     moves the ``1/world_size`` scaling of each bucket into the kernel that packs
     it, so a bucket is written once instead of written and rescaled; the bits are
-    the same. Everything else is ``torch.compile``; ``options=`` given here are
-    applied on top (``options={"post_grad_custom_post_pass": None}`` turns the
-    pass off).
+    the same. Graphs holding a ``torch.cond`` (PowerSGD's ``start_step``,
+    DiLoCo's outer step) are kept in inductor's caches like any other
+    (``CACHE_OPTIONS``), so a new process loads them instead of compiling again.
+    Everything else is ``torch.compile``; ``options=`` given here are applied on
+    top (``options={"post_grad_custom_post_pass": None}`` turns the pass off).
 
     Args:
         fn: The train step (or any function calling fsync).
@@ -158,6 +176,7 @@ def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs
     CustomGraphPass.register(ScaleBeforeConcat)
     options = {
         "post_grad_custom_post_pass": ScaleBeforeConcat(),
+        **CACHE_OPTIONS,
         **(OVERLAP_OPTIONS if overlap else {}),
         **kwargs.pop("options", {}),
     }

@@ -219,6 +219,35 @@ def test_fsync_compile_keeps_inductors_cache_with_its_pass():
     assert "fxgraph_cache_bypass" not in cache and sum(cache.values()) == 1, cache
 
 
+def test_fsync_compile_caches_a_step_with_a_cond_by_its_branches(tmp_path, monkeypatch):
+    # Inductor bypassed its caches for any graph with a torch.cond (PowerSGD's start_step,
+    # DiLoCo's outer step): every process compiled such a step cold. fsync.compile marks
+    # cond cacheable (CACHE_OPTIONS), which is sound because both caches' keys hash the
+    # branches with the graph: the same step again is a hit, one whose branch adds another
+    # constant a miss, and each call returns its own branch's result.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # empty: the first is a miss
+
+    def branchy(c: float):
+        return lambda x, n: torch.cond(n > 2, lambda x: x + c, lambda x: x - 1.0, (x,))
+
+    x, on, off = torch.arange(4.0), torch.tensor(5), torch.tensor(0)
+    seen = []
+    for c in (1.0, 1.0, 2.0):
+        torch._dynamo.reset()
+        counters.clear()
+        step = fsync.compile(branchy(c))
+        assert torch.equal(step(x, on), x + c) and torch.equal(step(x, off), x - 1.0), c
+        cache = {k: n for k, n in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+        seen.append((cache, dict(counters["aot_autograd"])))
+    assert [cache for cache, _ in seen] == [
+        {"fxgraph_cache_miss": 1},
+        {"fxgraph_cache_hit": 1},
+        {"fxgraph_cache_miss": 1},
+    ], seen
+    assert [aot.get("autograd_cache_hit", 0) for _, aot in seen] == [0, 1, 0], seen
+    assert not any("autograd_cache_bypass" in aot for _, aot in seen), seen
+
+
 def _on_rank_fsync_compile_bitwise():
     rank = dist.get_rank()
     model = ref_model()

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import fsync
 from fsync import _comm
+from fsync._compile import CACHE_OPTIONS
 from tests._models import func_loss, params_of, ref_batch, ref_model
 from tests._numerics import powersgd_full_rank_bound
 from tests._world import World
@@ -109,7 +110,9 @@ def _on_rank_compiled_hooks():
         graphs.append(gm)
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs)
+        # Cached as fsync.compile caches it (its PowerSGD conds bypassed inductor's cache:
+        # 26.7 s in every run, warm or not).
+        return compile_fx(gm, example_inputs, config_patches=CACHE_OPTIONS)
 
     def sync_all(grads, states):
         out = {name: fsync.sync_grads(grads, hook=hook, **CAP) for name, hook in stateless.items()}
