@@ -14,6 +14,7 @@ world costs a fork and a gloo rendezvous, not an interpreter importing torch per
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import datetime
 import functools
@@ -207,3 +208,28 @@ def close_all(worlds: list[World]) -> None:
     deadline = time.monotonic() + 5.0
     for world in worlds:
         world._join(deadline)
+
+
+def run_at_once(
+    cases: dict[Any, tuple[int, Callable[..., Any], Any]],
+    *,
+    pg_timeout: float,
+    timeout: float = 60.0,
+) -> dict[Any, list[tuple[str, Any]]]:
+    """``{key: (size, fn, arg)}``: each case's ``fn(arg)`` on a fresh world of ``size`` ranks
+    whose group times out after ``pg_timeout``, all cases at once, so that the fault tests'
+    waits for timeouts overlap; ``{key: results}`` as :meth:`World.run_unchecked` gives them
+    (each world is closed after)."""
+    worlds: dict[Any, World] = {}
+    try:
+        for key, (size, _, _) in cases.items():
+            worlds[key] = World(size, pg_timeout=pg_timeout)
+    except BaseException:
+        close_all(list(worlds.values()))
+        raise
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        futures = {
+            key: pool.submit(worlds[key].run_unchecked, fn, arg, timeout=timeout)
+            for key, (_, fn, arg) in cases.items()
+        }
+        return {key: future.result() for key, future in futures.items()}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import time
 
@@ -14,7 +13,7 @@ import fsync
 from fsync._agree import AGREEMENT
 from fsync._comm import REPORT_PATIENCE_S
 from tests._numerics import gathered, summation_bound
-from tests._world import World
+from tests._world import World, run_at_once
 
 PG_TIMEOUT = 4.0
 
@@ -43,23 +42,8 @@ def _missing_rank_1(message, world_size, stage, step):
 
 
 def _at_once(cases):
-    """``{key: (size, fn, arg)}``: each case's ``fn(arg)`` on a fresh world of ``size`` ranks
-    with the short group timeout, all cases at once (their waits for timeouts overlap);
-    ``{key: results}`` as ``World.run_unchecked`` gives them."""
-    worlds: dict[object, World] = {}
-    try:
-        for key, (size, _, _) in cases.items():
-            worlds[key] = World(size, pg_timeout=PG_TIMEOUT)
-    except BaseException:
-        for world in worlds.values():
-            world.close()
-        raise
-    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-        futures = {
-            key: pool.submit(worlds[key].run_unchecked, fn, arg, timeout=60)
-            for key, (_, fn, arg) in cases.items()
-        }
-        return {key: future.result() for key, future in futures.items()}
+    """The cases at once, each on a fresh world with the short group timeout."""
+    return run_at_once(cases, pg_timeout=PG_TIMEOUT)
 
 
 def test_peer_that_never_syncs_fails_within_the_timeout():
