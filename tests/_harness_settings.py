@@ -6,9 +6,10 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch._inductor.cpu_vec_isa
 import torch.distributed as dist
 
-from benchmarks.harness import UnavailableError
+from benchmarks.harness import Built, UnavailableError
 
 
 def sleeper(ms: float) -> Callable[[], None]:
@@ -32,3 +33,10 @@ def broken() -> Callable[[], None]:
     if dist.get_rank() == 1:
         raise RuntimeError("rank 1 cannot build this setting")
     return sleeper(1)
+
+
+def forked_knowing() -> Built:
+    """A step that does nothing; its info says whether this process started knowing the
+    vector instruction sets inductor may use (worked out in its server, not by itself)."""
+    known = torch._inductor.cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1
+    return Built(lambda: None, lambda: {"vector ISAs known": known})

@@ -76,6 +76,18 @@ def test_a_failed_setting_stops_every_process_and_names_itself():
         harness.turns([fine, broken], rounds=2, steps=1, warmup=1)
 
 
+@pytest.mark.timeout(120)
+def test_processes_start_knowing_what_inductor_asks_each_process_once():
+    # The server's preload probed the vector instruction sets (a kernel loaded in a fresh
+    # interpreter per candidate, 1.3-2.5 s of every process's first compile): each process
+    # forked from it has the answer before it compiles anything.
+    row = harness.turns(
+        [harness.Setting("forked", _harness_settings.forked_knowing)], rounds=1, steps=1, warmup=0
+    )
+    assert row is not None
+    assert [info["vector ISAs known"] for info in row["info"]["forked"]] == [True, True]
+
+
 def test_a_ratio_is_taken_round_by_round():
     # Round 1: 90 / 100, round 2: 121 / 110; the medians' ratio (105.5 / 105) says neither.
     spread = harness.ratio(_row(a=[100.0, 110.0], b=[90.0, 121.0]), "b", "a")
