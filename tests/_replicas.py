@@ -1,9 +1,14 @@
 """Replica processes of a fault-tolerant job (``fsync.ft`` over torchft) for the tests.
 
-``Job`` starts an in-process lighthouse and replica processes (``python -m
-tests._replicas CONFIG``), kills one with SIGKILL where a test says (inside
-backward, with buckets in flight, or between steps), restarts it, and reads what
-each replica left: a log of its steps (JSON lines) and its final state.
+``Job`` starts an in-process lighthouse and replica processes, kills one with
+SIGKILL where a test says (inside backward, with buckets in flight, or between
+steps), restarts it, and reads what each replica left: a log of its steps (JSON
+lines) and its final state. A one-rank replica is forked from the server the test
+suite's gloo ranks come from, which imported torch and fsync once (an interpreter
+of its own spent ~2 s of CPU on that, twenty times a suite); the ranks of a
+replica group of several start as torchrun starts them, each an interpreter
+(``python -m tests._replicas CONFIG``), so that a group restarts seconds after
+it died, as under torchrun.
 
 A replica trains a small MLP (several buckets) with a transaction per step
 until the job has committed ``steps`` steps. Its batch is a function of the
@@ -23,6 +28,8 @@ import time
 from typing import Any, NamedTuple
 
 import torch
+
+from tests._world import forked
 
 ROOT = pathlib.Path(__file__).parents[1]
 WIDTH, DEPTH, BATCH = 16, 3, 8
@@ -233,7 +240,7 @@ def plain(config: dict[str, Any]) -> TrainState:
 
 
 class Job:
-    """A lighthouse in this process and replica processes, each started as ``python -m``.
+    """A lighthouse in this process and replica processes, each forked (``_world.forked``).
 
     A replica group of several ranks (``config["ranks"]``) is its ranks' processes and a
     TCPStore this process serves for them, kept across the group's restarts as torchrun
@@ -251,7 +258,7 @@ class Job:
         self.lighthouse = fsync.ft.lighthouse(min_replicas=minimum, join_timeout_ms=1000)
         self.config = {**config, "dir": str(tmp), "lighthouse": self.lighthouse.address()}
         self.ranks: int = config.get("ranks", 1)
-        self.procs: dict[int, list[subprocess.Popen[bytes]]] = {}
+        self.procs: dict[int, list[Any]] = {}
         self._stores: dict[int, Any] = {}
         self._lives: dict[int, int] = {}  # how many times each replica has started, less one
 
@@ -266,29 +273,21 @@ class Job:
                     "localhost", 0, is_master=True, wait_for_workers=False
                 )
             config["store_port"] = self._stores[index].port
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        env["RUST_LOG"] = "error"
         self.procs[index] = []
         for rank in range(self.ranks):
-            command = json.dumps({**config, "rank": rank})
             me = name(index, rank, self.ranks)
-            with open(self.dir / f"stderr-{me}.txt", "ab") as err:  # the child keeps its copy
-                self.procs[index].append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "tests._replicas", command],
-                        cwd=ROOT,
-                        env=env,
-                        stdout=err,
-                        stderr=err,
-                    )
-                )
+            output = self.dir / f"stderr-{me}.txt"  # appended to by each life
+            if self.ranks == 1:
+                self.procs[index].append(forked(_replica, {**config, "rank": rank}, str(output)))
+            else:
+                self.procs[index].append(_Interpreter({**config, "rank": rank}, output))
 
     def wait(self, index: int, timeout: float) -> int:
         """Replica ``index``'s exit code: its first rank's that failed (the others are then
         killed), else 0."""
         procs, deadline = self.procs[index], time.monotonic() + timeout
         while time.monotonic() < deadline:
-            codes = [proc.poll() for proc in procs]
+            codes = [proc.exitcode for proc in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
                 _stop(procs)
@@ -324,12 +323,40 @@ class Job:
         self.lighthouse.shutdown()
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+def _stop(procs: list[Any]) -> None:
     """Kills those of ``procs`` still running, and reaps them."""
     for proc in procs:
-        if proc.poll() is None:
+        if proc.exitcode is None:
             proc.kill()
-            proc.wait()
+            proc.join()
+
+
+class _Interpreter(subprocess.Popen[bytes]):
+    """``python -m tests._replicas CONFIG``, its output to ``output``; read as the forked
+    ones are (``exitcode``, ``kill``, ``join``)."""
+
+    def __init__(self, config: dict[str, Any], output: pathlib.Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
+        command = [sys.executable, "-m", "tests._replicas", json.dumps(config)]
+        with open(output, "ab") as err:  # the child keeps its copy
+            super().__init__(command, cwd=ROOT, env=env, stdout=err, stderr=err)
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.poll()
+
+    def join(self) -> None:
+        self.wait()
+
+
+def _replica(config: dict[str, Any], output: str) -> None:
+    """A replica's rank in a process forked for it: its output to ``output``, one OpenMP
+    thread, torchft's Rust side quiet but for errors, then :func:`main`."""
+    fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(OMP_NUM_THREADS="1", RUST_LOG="error")
+    main(config)
 
 
 if __name__ == "__main__":  # run as tests._replicas, so that its states unpickle anywhere

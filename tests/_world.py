@@ -95,6 +95,14 @@ def _context() -> Any:
     return preloaded_context(_PRELOAD)
 
 
+def forked(fn: Callable[..., None], *args: Any) -> Any:
+    """``fn(*args)`` in a process of its own, started as the ranks are (torch and fsync
+    imported already); a ``multiprocessing`` process, not a daemon (it may start children)."""
+    proc = _context().Process(target=fn, args=args)
+    proc.start()
+    return proc
+
+
 class World:
     """``size`` gloo ranks in processes of their own, ready to run functions."""
 
