@@ -218,26 +218,71 @@ def close_all(worlds: list[World]) -> None:
         world._join(deadline)
 
 
+class AtOnce:
+    """``{key: (size, fn, *args)}``: each case's ``fn(*args)`` on a fresh world of ``size`` ranks
+    whose group times out after ``pg_timeout``, all cases started at once, now, so that the
+    fault tests' waits for timeouts overlap each other and whatever the caller does before
+    it reads :meth:`results` (a wait costs no CPU)."""
+
+    def __init__(
+        self,
+        cases: dict[Any, tuple[Any, ...]],
+        *,
+        pg_timeout: float,
+        timeout: float = 60.0,
+    ) -> None:
+        self._worlds: dict[Any, World] = {}
+        try:
+            for key, (size, *_) in cases.items():
+                self._worlds[key] = World(size, pg_timeout=pg_timeout)
+        except BaseException:
+            self.close()
+            raise
+        self._pool = concurrent.futures.ThreadPoolExecutor(len(cases))
+        self._futures = {
+            key: self._pool.submit(self._worlds[key].run_unchecked, fn, *args, timeout=timeout)
+            for key, (_, fn, *args) in cases.items()
+        }
+
+    def results(self) -> dict[Any, list[tuple[str, Any]]]:
+        """``{key: results}`` as :meth:`World.run_unchecked` gives them (each world is
+        closed after)."""
+        try:
+            return {key: future.result() for key, future in self._futures.items()}
+        finally:
+            self._pool.shutdown()
+
+    def close(self) -> None:
+        """Stops the cases' worlds, whether or not their results were read."""
+        close_all(list(self._worlds.values()))
+        if hasattr(self, "_pool"):
+            self._pool.shutdown()
+
+
 def run_at_once(
-    cases: dict[Any, tuple[int, Callable[..., Any], Any]],
+    cases: dict[Any, tuple[Any, ...]],
     *,
     pg_timeout: float,
     timeout: float = 60.0,
 ) -> dict[Any, list[tuple[str, Any]]]:
-    """``{key: (size, fn, arg)}``: each case's ``fn(arg)`` on a fresh world of ``size`` ranks
-    whose group times out after ``pg_timeout``, all cases at once, so that the fault tests'
-    waits for timeouts overlap; ``{key: results}`` as :meth:`World.run_unchecked` gives them
-    (each world is closed after)."""
-    worlds: dict[Any, World] = {}
+    """:class:`AtOnce`'s cases, started and read at once."""
+    return AtOnce(cases, pg_timeout=pg_timeout, timeout=timeout).results()
+
+
+def early(request: Any, test: str, cases: dict[Any, tuple[Any, ...]], **options: Any) -> Any:
+    """For a module's autouse fixture (a generator: ``yield from early(...)``): ``cases``
+    (:class:`AtOnce`, with ``options``) started as the module's first test starts, where the
+    session runs the module's ``test``, which reads them; else ``None``. Their waits for
+    the group's timeout then pass during the module's other tests."""
+    chosen = any(
+        item.module is request.module and item.originalname == test
+        for item in request.session.items
+    )
+    if not chosen:
+        yield None
+        return
+    started = AtOnce(cases, **options)
     try:
-        for key, (size, _, _) in cases.items():
-            worlds[key] = World(size, pg_timeout=pg_timeout)
-    except BaseException:
-        close_all(list(worlds.values()))
-        raise
-    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-        futures = {
-            key: pool.submit(worlds[key].run_unchecked, fn, arg, timeout=timeout)
-            for key, (_, fn, arg) in cases.items()
-        }
-        return {key: future.result() for key, future in futures.items()}
+        yield started
+    finally:
+        started.close()

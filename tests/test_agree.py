@@ -23,7 +23,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 import fsync
 from fsync._agree import AGREEMENT
 from fsync._comm import REPORT_PATIENCE_S
-from tests._world import World, run_at_once
+from tests._world import World, early
 
 # An error must come from the control collective, long before any timeout.
 FAST = 10.0
@@ -242,10 +242,17 @@ COMPILED_PG_TIMEOUT = 30.0
 STEADY_PG_TIMEOUT = 4.0
 
 
-def test_compiled_step_fails_within_the_timeout_when_a_peer_stops():
-    # Both ways a peer stops, each on a world of its own, at once: their waits overlap.
+@pytest.fixture(scope="module", autouse=True)
+def compiled_peer_stopped(request):
+    """Both ways a peer stops, each on a world of its own, started as this module's first
+    test starts: their waits for the timeout overlap each other and the module's tests."""
     cases = {mode: (2, _on_rank_compiled_peer_stops, mode) for mode in ("skips", "dies")}
-    for mode, results in run_at_once(cases, pg_timeout=COMPILED_PG_TIMEOUT, timeout=240).items():
+    test = "test_compiled_step_fails_within_the_timeout_when_a_peer_stops"
+    yield from early(request, test, cases, pg_timeout=COMPILED_PG_TIMEOUT, timeout=240)
+
+
+def test_compiled_step_fails_within_the_timeout_when_a_peer_stops(compiled_peer_stopped):
+    for mode, results in compiled_peer_stopped.results().items():
         kind, value = results[0]
         assert kind == "ok", (mode, value)
         elapsed, message = value

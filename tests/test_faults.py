@@ -13,7 +13,7 @@ import fsync
 from fsync._agree import AGREEMENT
 from fsync._comm import REPORT_PATIENCE_S
 from tests._numerics import gathered, summation_bound
-from tests._world import World, run_at_once
+from tests._world import World, early
 
 PG_TIMEOUT = 4.0
 
@@ -41,14 +41,31 @@ def _missing_rank_1(message, world_size, stage, step):
     assert "Backend error:" in message
 
 
-def _at_once(cases):
-    """The cases at once, each on a fresh world with the short group timeout."""
-    return run_at_once(cases, pg_timeout=PG_TIMEOUT)
+# Each fault test's cases at once, each on a fresh world with the short group timeout,
+# started as this module's first test starts: their waits for the timeout (~9 s) overlap
+# each other and the module's other tests.
 
 
-def test_peer_that_never_syncs_fails_within_the_timeout():
-    results = _at_once({mode: (2, _on_rank_one_skips_sync, mode) for mode in ("skips", "dies")})
-    for mode, (live, other) in results.items():
+@pytest.fixture(scope="module", autouse=True)
+def never_synced(request):
+    cases = {mode: (2, _on_rank_one_skips_sync, mode) for mode in ("skips", "dies")}
+    test = "test_peer_that_never_syncs_fails_within_the_timeout"
+    yield from early(request, test, cases, pg_timeout=PG_TIMEOUT)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stopped_syncing(request):
+    cases = {
+        (mode, size): (size, _on_rank_one_stops_after_steps, mode)
+        for size in (2, 3)
+        for mode in ("skips", "dies")
+    }
+    test = "test_peer_that_stops_in_the_steady_state_fails_within_the_timeout"
+    yield from early(request, test, cases, pg_timeout=PG_TIMEOUT)
+
+
+def test_peer_that_never_syncs_fails_within_the_timeout(never_synced):
+    for mode, (live, other) in never_synced.results().items():
         kind, value = live
         assert kind == "ok", (mode, value)
         elapsed, message = value
@@ -83,13 +100,8 @@ def _on_rank_one_stops_after_steps(mode):
     return time.monotonic() - started, str(error.value)
 
 
-def test_peer_that_stops_in_the_steady_state_fails_within_the_timeout():
-    cases = {
-        (mode, size): (size, _on_rank_one_stops_after_steps, mode)
-        for size in (2, 3)
-        for mode in ("skips", "dies")
-    }
-    for (mode, size), results in _at_once(cases).items():
+def test_peer_that_stops_in_the_steady_state_fails_within_the_timeout(stopped_syncing):
+    for (mode, size), results in stopped_syncing.results().items():
         for rank in (r for r in range(size) if r != 1):
             kind, value = results[rank]
             assert kind == "ok", (mode, size, value)

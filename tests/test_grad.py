@@ -30,7 +30,7 @@ import fsync
 from fsync import _comm
 from fsync._comm import REPORT_PATIENCE_S
 from tests._models import Backwards, Boom, func_loss, params_of, ref_batch, ref_loss, ref_model
-from tests._world import World
+from tests._world import World, early
 
 # Buckets of about one leaf each, so that a tree spans several.
 TINY = {"bucket_cap_mb": 1e-4, "first_bucket_mb": 1e-4}
@@ -538,9 +538,17 @@ def _on_rank_backward_raises():
     return time.monotonic() - started, str(error.value)
 
 
-def test_a_rank_whose_backward_raises_leaves_the_others_with_fsyncs_error():
-    world = World(2, pg_timeout=PG_TIMEOUT)
-    results = world.run_unchecked(_on_rank_backward_raises, timeout=60)
+@pytest.fixture(scope="module", autouse=True)
+def backward_raised(request):
+    """The case below on a world of its own, started as this module's first test starts:
+    its ~9 s of waiting for the group's timeout pass during the module's other tests."""
+    cases = {"raises": (2, _on_rank_backward_raises)}
+    test = "test_a_rank_whose_backward_raises_leaves_the_others_with_fsyncs_error"
+    yield from early(request, test, cases, pg_timeout=PG_TIMEOUT)
+
+
+def test_a_rank_whose_backward_raises_leaves_the_others_with_fsyncs_error(backward_raised):
+    results = backward_raised.results()["raises"]
     (kind0, value0), (kind1, value1) = results
     assert kind0 == "ok" and kind1 == "ok", results
     assert "boom" in value1[1]  # the failing rank reports its own error
