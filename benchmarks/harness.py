@@ -58,7 +58,7 @@ _BUILDING = 2
 # Imported once by the server the processes fork from. Dynamo's and inductor's own modules
 # halve what a process's first compile costs (3.6 -> 1.7 s for a one-line function here);
 # importing them starts no thread that a fork could catch holding a lock. ``preload`` works
-# out what inductor would ask again in every child (0.6 s left of that one-line compile).
+# out what inductor would ask again in every child (0.3 s left of that one-line compile).
 # The test suite's gloo worlds (tests/_world.py) fork their ranks from a server preloaded
 # the same way.
 PRELOAD = (
