@@ -274,8 +274,8 @@ def early(request: Any, test: str, cases: dict[Any, tuple[Any, ...]], **options:
     (:class:`AtOnce`, with ``options``) started as the module's first test starts, where the
     session runs the module's ``test``, which reads them; else ``None``. Their waits for
     the group's timeout then pass during the module's other tests."""
-    chosen = any(
-        item.module is request.module and item.originalname == test
+    chosen = any(  # a doctest's item has no module
+        getattr(item, "module", None) is request.module and item.originalname == test
         for item in request.session.items
     )
     if not chosen:
