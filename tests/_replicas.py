@@ -33,6 +33,9 @@ from tests._world import forked
 
 ROOT = pathlib.Path(__file__).parents[1]
 WIDTH, DEPTH, BATCH = 16, 3, 8
+# A replica's environment, forked or not: one OpenMP thread, torchft's Rust side quiet but
+# for errors.
+ENV = {"OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
 
 
 class TrainState(NamedTuple):
@@ -240,7 +243,8 @@ def plain(config: dict[str, Any]) -> TrainState:
 
 
 class Job:
-    """A lighthouse in this process and replica processes, each forked (``_world.forked``).
+    """A lighthouse in this process and replica processes: a one-rank replica forked
+    (``_world.forked``), the ranks of a larger replica group each an interpreter.
 
     A replica group of several ranks (``config["ranks"]``) is its ranks' processes and a
     TCPStore this process serves for them, kept across the group's restarts as torchrun
@@ -336,7 +340,7 @@ class _Interpreter(subprocess.Popen[bytes]):
     ones are (``exitcode``, ``kill``, ``join``)."""
 
     def __init__(self, config: dict[str, Any], output: pathlib.Path) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **ENV}
         command = [sys.executable, "-m", "tests._replicas", json.dumps(config)]
         with open(output, "ab") as err:  # the child keeps its copy
             super().__init__(command, cwd=ROOT, env=env, stdout=err, stderr=err)
@@ -350,12 +354,12 @@ class _Interpreter(subprocess.Popen[bytes]):
 
 
 def _replica(config: dict[str, Any], output: str) -> None:
-    """A replica's rank in a process forked for it: its output to ``output``, one OpenMP
-    thread, torchft's Rust side quiet but for errors, then :func:`main`."""
+    """A replica's rank in a process forked for it: its output to ``output``, its
+    environment :data:`ENV`, then :func:`main`."""
     fd = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    os.environ.update(OMP_NUM_THREADS="1", RUST_LOG="error")
+    os.environ.update(ENV)
     main(config)
 
 

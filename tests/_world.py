@@ -232,13 +232,13 @@ class AtOnce:
         timeout: float = 60.0,
     ) -> None:
         self._worlds: dict[Any, World] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(len(cases))  # no thread till used
         try:
             for key, (size, *_) in cases.items():
                 self._worlds[key] = World(size, pg_timeout=pg_timeout)
         except BaseException:
             self.close()
             raise
-        self._pool = concurrent.futures.ThreadPoolExecutor(len(cases))
         self._futures = {
             key: self._pool.submit(self._worlds[key].run_unchecked, fn, *args, timeout=timeout)
             for key, (_, fn, *args) in cases.items()
@@ -255,8 +255,7 @@ class AtOnce:
     def close(self) -> None:
         """Stops the cases' worlds, whether or not their results were read."""
         close_all(list(self._worlds.values()))
-        if hasattr(self, "_pool"):
-            self._pool.shutdown()
+        self._pool.shutdown()
 
 
 def run_at_once(

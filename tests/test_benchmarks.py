@@ -79,7 +79,7 @@ def test_a_failed_setting_stops_every_process_and_names_itself():
 @pytest.mark.timeout(120)
 def test_processes_start_knowing_what_inductor_asks_each_process_once():
     # The server's preload probed the vector instruction sets (a kernel loaded in a fresh
-    # interpreter per candidate, 1.3-2.5 s of every process's first compile): each process
+    # interpreter per candidate, 1.2-2.5 s of every process's first compile): each process
     # forked from it has the answer before it compiles anything.
     row = harness.turns(
         [harness.Setting("forked", _harness_settings.forked_knowing)], rounds=1, steps=1, warmup=0
