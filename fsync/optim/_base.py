@@ -69,7 +69,16 @@ class Optimizer(NamedTuple):
 
 
 def check_lr(lr: Any, /) -> LearningRate:
-    """Returns ``lr`` if it is a non-negative float or a 0-d floating tensor, else raises."""
+    """``lr`` as an optimizer holds it, or raises: a non-negative float, or a one-element
+    floating tensor held as a 1-d view of the caller's (an in-place change is read at the
+    next update).
+
+    Not as a 0-d view: under ``torch.compile`` every 0-d float64 CPU tensor a function reads
+    is given a symbolic float for its value, which torch 2.13's AOT pass that turns Python
+    floats into tensors then specialises by restarting dynamo's trace: the whole step traced
+    twice on its first compile (where inductor's cache has no entry for it). A 1-d tensor has
+    no such symbol; ``lr_value`` makes it 0-d again inside the step.
+    """
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1 or not lr.dtype.is_floating_point or lr.requires_grad:
             raise ValueError(
@@ -77,7 +86,7 @@ def check_lr(lr: Any, /) -> LearningRate:
                 f"grad; got shape {tuple(lr.shape)}, dtype {lr.dtype}, requires_grad="
                 f"{lr.requires_grad}. Use torch.tensor(1e-3, dtype=torch.float64)."
             )
-        return lr.reshape(())
+        return lr.view(1)
     check_hyper("lr", lr, low=0.0)
     return float(lr)
 
@@ -100,9 +109,10 @@ def check_hyper(
 
 
 def lr_value(lr: LearningRate) -> float | torch.Tensor:
-    """``lr`` for coefficient arithmetic: a float, or a 0-d float64 CPU tensor read now."""
+    """``lr`` (as ``check_lr`` holds it) for coefficient arithmetic: a float, or a 0-d
+    float64 CPU tensor read now (0-d, so that it does not promote the parameters' dtype)."""
     if isinstance(lr, torch.Tensor):
-        return lr.to(device=_CPU, dtype=torch.float64)
+        return lr.reshape(()).to(device=_CPU, dtype=torch.float64)
     return lr
 
 
