@@ -505,7 +505,7 @@ class TorchFunc(NamedTuple):
         ``None`` leaves of the differentiated arguments, which ``torch.func``
         refuses, stay ``None``, and so do their gradients (as eagerly).
         """
-        leaves, spec = _tree.flatten(self.differentiated(args))
+        leaves, rebuild_tree = _tree.leaves_and_rebuild(self.differentiated(args))
         if all(leaf is not None for leaf in leaves):
             call = torch.func.grad_and_value(self.fn, self.argnums, self.has_aux)
             grads, output = call(*args, **kwargs)
@@ -513,7 +513,7 @@ class TorchFunc(NamedTuple):
 
         def rebuild(tensors: Sequence[Any]) -> Any:
             given = iter(tensors)
-            return _tree.unflatten(spec, [None if x is None else next(given) for x in leaves])
+            return rebuild_tree([None if x is None else next(given) for x in leaves])
 
         forward = self.forward(args, kwargs, rebuild)
         tensors = [leaf for leaf in leaves if leaf is not None]

@@ -35,7 +35,7 @@ from fsync import _comm, _tree
 from fsync._options import OptionKeywords
 from fsync._serialization import register_state
 from fsync._sync import GradSync, SyncState
-from fsync.optim._base import Optimizer, check_params
+from fsync.optim._base import Optimizer, check_params, spec_paths
 from fsync.optim._sgd import sgd
 
 _OUTER_LR, _OUTER_MOMENTUM = 0.7, 0.9
@@ -173,7 +173,7 @@ def _transform(
 
     def init(params: Any, /) -> DiLoCoState:
         leaves, treespec = _tree.flatten(params)
-        check_params(leaves, treespec)
+        check_params(leaves, spec_paths(treespec))
         anchor = _tree.unflatten(treespec, [_copy(p) for p in leaves])
         return DiLoCoState(
             anchor=anchor,
@@ -281,7 +281,7 @@ def _check_update(params: Any, state: DiLoCoState) -> None:
             "fsync.diloco(...).init or by the previous update."
         )
     leaves, treespec = _tree.flatten(params)
-    check_params(leaves, treespec)
+    check_params(leaves, spec_paths(treespec))
     anchors, anchor_spec = _tree.flatten(state.anchor)
     if treespec != anchor_spec:
         raise ValueError(

@@ -14,8 +14,9 @@ the parameters fits the gradients:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -76,6 +77,66 @@ def flat_dict(tree: Any, /) -> tuple[tuple[Any, ...], list[Any]] | None:
     if all(value is None or isinstance(value, torch.Tensor) for value in values):
         return tuple(tree), values
     return None
+
+
+class Alike(NamedTuple):
+    """Trees of one plain container of leaves, read directly (``alike`` makes them)."""
+
+    leaves: list[list[Any]]  # per tree
+    keys: tuple[Any, ...] | None  # the dicts' keys; None for lists and tuples
+    kind: type
+
+    def rebuild(self, leaves: Sequence[Any], /) -> Any:
+        """A tree like these with ``leaves``: what ``unflatten`` of their structure gives."""
+        if self.keys is not None:
+            return dict(zip(self.keys, leaves, strict=True))
+        return self.kind(leaves)
+
+    def path(self, i: int, /) -> str:
+        """Leaf ``i``'s path, as ``path_str`` writes it."""
+        return str(i if self.keys is None else self.keys[i])
+
+
+def alike(trees: Sequence[Any], /) -> Alike | None:
+    """The leaves of ``trees`` where every one is the same plain container of leaves, else
+    ``None`` (flatten them).
+
+    Plain: dicts with the same keys in the same order, or lists, or tuples, of one length,
+    whose values are tensors or ``None``; their leaves are what ``flatten`` gives, in its
+    order. An optimizer's update reads its parameters, gradients and state this way (a
+    ``dict(model.named_parameters())``, or the ZeRO step's one-tensor lists): under
+    ``torch.compile``, dynamo traces ``flatten`` through its optree polyfill, which makes a
+    ``PyTreeSpec`` object per node, about 8 ms each on our CPU machines (the GPT's AdamW
+    update, 78 leaves: 3.0 of its step's 9.6 s of tracing), where reading a container
+    directly costs a fraction of that.
+    """
+    first = trees[0]
+    kind = type(first)
+    keys = None
+    if kind is dict:
+        keys = tuple(first)
+        if not all(type(tree) is dict and tuple(tree) == keys for tree in trees):
+            return None
+        leaves = [list(tree.values()) for tree in trees]
+    elif kind is list or kind is tuple:
+        if not all(type(tree) is kind and len(tree) == len(first) for tree in trees):
+            return None
+        leaves = [list(tree) for tree in trees]
+    else:
+        return None
+    if all(leaf is None or isinstance(leaf, torch.Tensor) for tree in leaves for leaf in tree):
+        return Alike(leaves, keys, kind)
+    return None
+
+
+def leaves_and_rebuild(tree: Any, /) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
+    """``flatten``'s leaves of ``tree`` and a function that makes a tree of its structure from
+    leaves; a plain container of leaves is read directly (``alike``)."""
+    same = alike([tree])
+    if same is not None:
+        return same.leaves[0], same.rebuild
+    leaves, spec = flatten(tree)
+    return leaves, functools.partial(unflatten, spec)
 
 
 def structure(tree: Any, /) -> optree.PyTreeSpec:

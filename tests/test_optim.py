@@ -17,6 +17,7 @@ import torch
 import torch._dynamo
 
 import fsync
+from fsync import _tree
 from tests._models import params_of, ref_model
 
 STEPS = 20
@@ -288,3 +289,24 @@ def test_bad_arguments():
         opt.update(params, params, fsync.optim.sgd(0.1).init(params))
     with pytest.raises(ValueError, match=r"the state has structure .* but params have"):
         opt.update(params, params, opt.init({"w": torch.ones(2)}))
+
+
+def test_update_checks_the_leaves_of_plain_and_nested_trees_alike():
+    """The update reads a dict of tensors directly and flattens any other tree: the same
+    checks and messages either way (the leaf named by its path)."""
+    opt = fsync.optim.sgd(0.1)
+    for wrap in (lambda t: t, lambda t: {"layer": t}):
+        where = "" if wrap({}) == {} else "layer."
+        params = wrap({"w": torch.ones(2), "b": None})
+        state = opt.init(params)
+        with pytest.raises(ValueError, match=rf"grads leaf '{where}b' is a tensor but the param"):
+            opt.update(params, wrap({"w": torch.ones(2), "b": torch.ones(1)}), state)
+        with pytest.raises(TypeError, match=rf"grads leaf '{where}w' is a float; expected a torch"):
+            opt.update(params, wrap({"w": 1.0, "b": None}), state)
+        ints = wrap({"w": torch.ones(2, dtype=torch.int64), "b": None})
+        with pytest.raises(TypeError, match=rf"params leaf '{where}w' has dtype torch.int64"):
+            opt.update(ints, ints, state)
+        out, _ = opt.update(params, wrap({"w": torch.ones(2), "b": None}), state)
+        assert _tree.structure(out) == _tree.structure(params)
+        leaves = _tree.flatten(out)[0]
+        assert torch.equal(leaves[0], torch.full((2,), 0.9)) and leaves[1] is None

@@ -20,6 +20,7 @@ from fsync.optim._base import (
     flatten_update,
     lr_value,
     new_step,
+    spec_paths,
     zeros_like_tree,
 )
 
@@ -57,7 +58,7 @@ def _adam(
 
     def init(params: Any) -> AdamState:
         leaves, treespec = _tree.flatten(params)
-        check_params(leaves, treespec)
+        check_params(leaves, spec_paths(treespec))
         return AdamState(
             step=new_step(),
             exp_avg=zeros_like_tree(leaves, treespec),
@@ -66,7 +67,7 @@ def _adam(
 
     def update(params: Any, grads: Any, state: AdamState) -> tuple[Any, AdamState]:
         check_state(state, AdamState, name)
-        p_leaves, g_leaves, (m_leaves, v_leaves), treespec = flatten_update(
+        p_leaves, g_leaves, (m_leaves, v_leaves), rebuild = flatten_update(
             name, params, grads, [state.exp_avg, state.exp_avg_sq]
         )
         step = state.step + 1
@@ -98,9 +99,7 @@ def _adam(
             new_p.append(addcdiv(p, m, denom, neg_step_size))
             new_m.append(m)
             new_v.append(v)
-        return _tree.unflatten(treespec, new_p), AdamState(
-            step, _tree.unflatten(treespec, new_m), _tree.unflatten(treespec, new_v)
-        )
+        return rebuild(new_p), AdamState(step, rebuild(new_m), rebuild(new_v))
 
     return Optimizer(init, update, leafwise=True)
 

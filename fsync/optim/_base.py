@@ -17,6 +17,7 @@ turning the step count into a Python number, which would recompile every step.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -166,37 +167,77 @@ def check_state(state: Any, cls: type, name: str) -> None:
         )
 
 
-def _path(treespec: optree.PyTreeSpec, i: int) -> str:
-    return _tree.path_str(treespec.paths()[i])
+def spec_paths(treespec: optree.PyTreeSpec) -> Callable[[int], str]:
+    """Leaf ``i`` -> its path in a tree of ``treespec`` (read only for an error message)."""
+    return lambda i: _tree.path_str(treespec.paths()[i])
 
 
-def check_params(leaves: Sequence[Any], treespec: optree.PyTreeSpec, what: str = "params") -> None:
-    """Raises ``TypeError`` unless every leaf is ``None`` or a floating point tensor."""
+def check_params(leaves: Sequence[Any], path: Callable[[int], str], what: str = "params") -> None:
+    """Raises ``TypeError`` unless every leaf is ``None`` or a floating point tensor
+    (``path(i)`` names leaf ``i`` in the message)."""
     for i, leaf in enumerate(leaves):
         if leaf is None:
             continue
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
-                f"{what} leaf {_path(treespec, i)!r} is a {type(leaf).__name__}; expected a "
+                f"{what} leaf {path(i)!r} is a {type(leaf).__name__}; expected a "
                 "torch.Tensor or None."
             )
         if not leaf.dtype.is_floating_point:
             raise TypeError(
-                f"{what} leaf {_path(treespec, i)!r} has dtype {leaf.dtype}; expected a floating "
+                f"{what} leaf {path(i)!r} has dtype {leaf.dtype}; expected a floating "
                 "point tensor. Keep integer buffers and counters out of the tree the optimizer "
                 "updates."
             )
 
 
+# ``flatten_update``'s leaves: params, grads, the state trees' leaves, leaf i's path, and how
+# to build a tree like ``params`` from leaves.
+_Flat = tuple[list[Any], list[Any], list[list[Any]], Callable[[int], str], Callable[..., Any]]
+
+
 def flatten_update(
     name: str, params: Any, grads: Any, trees: Sequence[Any]
-) -> tuple[list[Any], list[Any], list[list[Any]], optree.PyTreeSpec]:
+) -> tuple[list[Any], list[Any], list[list[Any]], Callable[[Sequence[Any]], Any]]:
     """Leaves of ``params``, ``grads`` and per-parameter state trees, all checked to line up.
 
-    Returns ``(params, grads, [state leaves per tree], treespec)``.
+    Returns ``(params, grads, [state leaves per tree], rebuild)``; ``rebuild(leaves)`` is a
+    tree shaped like ``params``. Plain containers of tensors (a dict of them, the ZeRO step's
+    lists) are read directly (``_tree.alike``), any other tree flattened.
     """
+    same = _tree.alike([params, grads, *trees])
+    if same is None:
+        p_leaves, g_leaves, state_leaves, path, rebuild = _flatten_each(name, params, grads, trees)
+    else:
+        p_leaves, g_leaves, *state_leaves = same.leaves
+        path, rebuild = same.path, same.rebuild
+        check_params(p_leaves, path)
+    for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
+        if p is None or g is None:
+            if p is None and g is not None:
+                raise ValueError(
+                    f"{name}.update: grads leaf {path(i)!r} is a tensor but the parameter is None."
+                )
+            continue
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(
+                f"grads leaf {path(i)!r} is a {type(g).__name__}; expected a torch.Tensor or None."
+            )
+        if g.shape != p.shape or g.dtype != p.dtype:
+            raise ValueError(
+                f"{name}.update: grads leaf {path(i)!r} has shape {tuple(g.shape)} and "
+                f"dtype {g.dtype}; expected the parameter's shape {tuple(p.shape)} and dtype "
+                f"{p.dtype}."
+            )
+    return p_leaves, g_leaves, state_leaves, rebuild
+
+
+def _flatten_each(name: str, params: Any, grads: Any, trees: Sequence[Any]) -> _Flat:
+    """``flatten_update``'s leaves for trees that are not plain containers: each flattened,
+    the parameters' leaves checked and the structures compared."""
     p_leaves, treespec = _tree.flatten(params)
-    check_params(p_leaves, treespec)
+    path = spec_paths(treespec)
+    check_params(p_leaves, path)
     g_leaves, g_spec = _tree.flatten(grads)
     if g_spec != treespec:
         raise ValueError(
@@ -212,26 +253,7 @@ def flatten_update(
                 f"pass the state that {name}(...).init(params) returned for these parameters."
             )
         state_leaves.append(leaves)
-    for i, (p, g) in enumerate(zip(p_leaves, g_leaves, strict=True)):
-        if p is None or g is None:
-            if p is None and g is not None:
-                raise ValueError(
-                    f"{name}.update: grads leaf {_path(treespec, i)!r} is a tensor but the "
-                    "parameter is None."
-                )
-            continue
-        if not isinstance(g, torch.Tensor):
-            raise TypeError(
-                f"grads leaf {_path(treespec, i)!r} is a {type(g).__name__}; expected a "
-                "torch.Tensor or None."
-            )
-        if g.shape != p.shape or g.dtype != p.dtype:
-            raise ValueError(
-                f"{name}.update: grads leaf {_path(treespec, i)!r} has shape {tuple(g.shape)} and "
-                f"dtype {g.dtype}; expected the parameter's shape {tuple(p.shape)} and dtype "
-                f"{p.dtype}."
-            )
-    return p_leaves, g_leaves, state_leaves, treespec
+    return p_leaves, g_leaves, state_leaves, path, functools.partial(_tree.unflatten, treespec)
 
 
 def zeros_like_tree(leaves: Sequence[Any], treespec: optree.PyTreeSpec) -> Any:

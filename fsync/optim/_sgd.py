@@ -19,6 +19,7 @@ from fsync.optim._base import (
     flatten_update,
     lr_value,
     new_step,
+    spec_paths,
     zeros_like_tree,
 )
 
@@ -91,14 +92,14 @@ def sgd(
 
     def init(params: Any) -> SGDState:
         leaves, treespec = _tree.flatten(params)
-        check_params(leaves, treespec)
+        check_params(leaves, spec_paths(treespec))
         buffers = zeros_like_tree(leaves, treespec) if momentum else None
         return SGDState(step=new_step(), momentum=buffers)
 
     def update(params: Any, grads: Any, state: SGDState) -> tuple[Any, SGDState]:
         check_state(state, SGDState, "sgd")
         trees = [state.momentum] if momentum else []
-        p_leaves, g_leaves, state_leaves, treespec = flatten_update("sgd", params, grads, trees)
+        p_leaves, g_leaves, state_leaves, rebuild = flatten_update("sgd", params, grads, trees)
         buf_leaves = state_leaves[0] if momentum else [None] * len(p_leaves)
         first = state.step == 0
         # p - lr * g as torch's add(p, g, alpha=-lr): addcmul takes the factor as a
@@ -122,7 +123,7 @@ def sgd(
                 p = add_scaled(p, g, neg_lr)
             new_p.append(p)
             new_buf.append(buf)
-        buffers = _tree.unflatten(treespec, new_buf) if momentum else None
-        return _tree.unflatten(treespec, new_p), SGDState(state.step + 1, buffers)
+        buffers = rebuild(new_buf) if momentum else None
+        return rebuild(new_p), SGDState(state.step + 1, buffers)
 
     return Optimizer(init, update, leafwise=True)

@@ -1,0 +1,77 @@
+"""fsync._tree: what reading a plain container directly gives, against optree's flatten."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from fsync import _tree
+
+_Pair = collections.namedtuple("_Pair", "a b")
+_A, _B = torch.ones(2), torch.zeros(3)
+
+PLAIN = {
+    "dict": {"w": _A, "none": None, "b": _B},
+    "dict in insertion order": {"z": _A, "a": _B},
+    "empty dict": {},
+    "list": [_A, None, _B],
+    "tuple": (_B,),
+}
+NOT_PLAIN = {
+    "nested dict": {"layer": {"w": _A}},
+    "a float leaf": {"w": _A, "lr": 0.1},
+    "an OrderedDict": collections.OrderedDict(w=_A),
+    "a namedtuple": _Pair(_A, None),
+    "a tensor": _A,
+}
+
+
+def _same_tree(x, y):
+    """Same types, keys in the same order and the very same leaves."""
+    if isinstance(x, dict):
+        return type(x) is type(y) and list(x) == list(y) and all(x[k] is y[k] for k in x)
+    return (
+        type(x) is type(y) and len(x) == len(y) and all(a is b for a, b in zip(x, y, strict=True))
+    )
+
+
+@pytest.mark.parametrize("name", list(PLAIN))
+def test_a_plain_container_reads_as_flatten_gives(name):
+    tree = PLAIN[name]
+    leaves, spec = _tree.flatten(tree)
+    same = _tree.alike([tree, tree])
+    assert same is not None
+    for got in same.leaves:
+        assert all(a is b for a, b in zip(got, leaves, strict=True))
+    assert _same_tree(same.rebuild(leaves), _tree.unflatten(spec, leaves))
+    assert [same.path(i) for i in range(len(leaves))] == [_tree.path_str(p) for p in spec.paths()]
+    read, rebuild = _tree.leaves_and_rebuild(tree)
+    assert all(a is b for a, b in zip(read, leaves, strict=True))
+    assert _same_tree(rebuild(leaves), tree)
+
+
+@pytest.mark.parametrize("name", list(NOT_PLAIN))
+def test_any_other_tree_is_flattened(name):
+    tree = NOT_PLAIN[name]
+    assert _tree.alike([tree]) is None
+    leaves, spec = _tree.flatten(tree)
+    read, rebuild = _tree.leaves_and_rebuild(tree)
+    assert all(a is b for a, b in zip(read, leaves, strict=True))
+    assert _tree.structure(rebuild(leaves)) == spec
+
+
+@pytest.mark.parametrize(
+    "trees",
+    [
+        [{"a": _A, "b": _B}, {"b": _B, "a": _A}],  # the same keys in another order
+        [{"a": _A}, {"a": _A, "b": _B}],
+        [[_A], [_A, _B]],
+        [[_A], (_A,)],
+        [{"a": _A}, [_A]],
+        [[_A], [{"x": _A}]],  # a container inside the second
+    ],
+)
+def test_trees_of_other_structures_are_not_alike(trees):
+    assert _tree.alike(trees) is None
