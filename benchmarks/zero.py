@@ -20,10 +20,15 @@ Beside them, each one's own compute with no communication (its floor) and the fs
 collectives alone, so that the page gives each step's share of the reduce-scatter and
 all-gather time hidden behind its compute: (own compute + RS/AG alone - step) / RS/AG
 alone. The memory rows time each eager step once more in processes that follow their RSS.
+
+``python -m benchmarks.zero [--rate 8gbit]`` times the rows of one rate alone and prints
+their tables (no page written): at 8 Gbit/s under ``../shared/tools/slownet --rate 8gbit``.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -279,3 +284,30 @@ def tables(results: dict[str, dict[str, Row]], memory: dict[str, Row]) -> list[t
         _, columns, cells = table.memory(memory, EAGER, CAP_MB)
         out.append(("ZeRO memory: peak RSS of the eager steps, unshaped", columns, cells))
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="The ZeRO rows of one rate, printed.")
+    parser.add_argument(
+        "--rate", choices=RATES, default=RATES[0], help="the rate the loopback is shaped to"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="turns per setting")
+    parser.add_argument("--steps", type=int, default=2, help="steps per turn")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per world")
+    parser.add_argument("--smoke", action="store_true", help="the deep MLP's smoke row only")
+    args = parser.parse_args(argv)
+    rows: dict[str, Row] = {}
+    for load in loads(args.rate, args.smoke):
+        row = harness.turns(
+            settings(load), rounds=args.rounds, steps=args.steps, warmup=args.warmup
+        )
+        assert row is not None  # one node: this process coordinates
+        rows[str(load)] = row
+    table.console(tables({args.rate: rows}, {}))
+    return 0
+
+
+if __name__ == "__main__":
+    from benchmarks import zero  # this module by name, so that its builders pickle
+
+    sys.exit(zero.main())
