@@ -129,14 +129,53 @@ def alike(trees: Sequence[Any], /) -> Alike | None:
     return None
 
 
-def leaves_and_rebuild(tree: Any, /) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
-    """``flatten``'s leaves of ``tree`` and a function that makes a tree of its structure from
-    leaves; a plain container of leaves is read directly (``alike``)."""
-    same = alike([tree])
-    if same is not None:
-        return same.leaves[0], same.rebuild
-    leaves, spec = flatten(tree)
+def leaves_and_rebuild(
+    tree: Any, /, *, is_leaf: Callable[[Any], bool] | None = None
+) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
+    """``flatten(tree, is_leaf=is_leaf)``'s leaves and a function that makes a tree of its
+    structure from leaves.
+
+    A dict, list, tuple or namedtuple whose children are all leaves (tensors, ``None``, or
+    what ``is_leaf`` says is one) is read directly, as ``alike`` reads its trees; anything
+    else is flattened. The ZeRO step reads its optimizer state this way once per piece (a
+    NamedTuple of a step count and per-piece lists).
+    """
+    node = None if is_leaf is not None and is_leaf(tree) else _plain_node(tree)
+    if node is not None:
+        children, rebuild = node
+        if all(
+            child is None
+            or isinstance(child, torch.Tensor)
+            or (is_leaf is not None and is_leaf(child))
+            for child in children
+        ):
+            return children, rebuild
+    leaves, spec = flatten(tree, is_leaf=is_leaf)
     return leaves, functools.partial(unflatten, spec)
+
+
+def _plain_node(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]] | None:
+    """``tree``'s children and how to build it again, for a dict, list, tuple or namedtuple
+    that optree flattens as its builtin kind in fsync's namespace; else ``None``."""
+    kind = type(tree)
+    if kind is dict:
+        keys = tuple(tree)
+        return list(tree.values()), lambda children: dict(zip(keys, children, strict=True))
+    if kind is list or kind is tuple:
+        return list(tree), kind
+    if isinstance(tree, tuple) and _builtin_namedtuple(kind):
+        return list(tree), lambda children: kind(*children)
+    return None
+
+
+def _builtin_namedtuple(kind: type) -> bool:
+    """Whether optree flattens ``kind`` as a namedtuple in fsync's namespace: one can register
+    a namedtuple class of one's own as a custom node (optree warns and allows it)."""
+    registry = getattr(optree.register_pytree_node, "get", None)  # not in every optree
+    if registry is None or not hasattr(kind, "_fields"):
+        return False
+    entry = registry(kind, namespace=NAMESPACE)
+    return entry is not None and entry.kind == optree.PyTreeKind.NAMEDTUPLE
 
 
 def structure(tree: Any, /) -> optree.PyTreeSpec:

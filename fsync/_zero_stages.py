@@ -81,7 +81,7 @@ class PieceUpdates:
 
     def __init__(self, optimizer: Optimizer, layout: ZeroLayout, state: Any) -> None:
         self._optimizer, self._layout = optimizer, layout
-        self._slots, self._spec = _tree.flatten(state, is_leaf=layout.is_pieces)
+        self._slots, self._rebuild = _tree.leaves_and_rebuild(state, is_leaf=layout.is_pieces)
         self._per_piece = [layout.is_pieces(slot) for slot in self._slots]
         self._new: dict[int, list[Any]] = {}  # piece -> its updated slots
         self._last: list[Any] | None = None  # the slots of the last update
@@ -104,13 +104,13 @@ class PieceUpdates:
             self._update((), [], [], self._cut(lambda slot: []))
         assert self._last is not None
         if not self._new:  # one update of every piece (or of none)
-            return _tree.unflatten(self._spec, self._last)
+            return self._rebuild(self._last)
         assert sorted(self._new) == list(range(len(self._layout.pieces)))
         slots = [
             [self._new[j][s][0] for j in sorted(self._new)] if cut else last
             for s, (cut, last) in enumerate(zip(self._per_piece, self._last, strict=True))
         ]
-        return _tree.unflatten(self._spec, slots)
+        return self._rebuild(slots)
 
     def _cut(self, pick: Callable[[list[Any]], list[Any]]) -> list[Any]:
         """The state's slots, each per-piece list replaced by ``pick(list)``."""
@@ -126,10 +126,10 @@ class PieceUpdates:
         grads: list[torch.Tensor],
         slots: list[Any],
     ) -> list[torch.Tensor]:
-        new, state = self._optimizer.update(params, grads, _tree.unflatten(self._spec, slots))
+        new, state = self._optimizer.update(params, grads, self._rebuild(slots))
         layout = self._layout._replace(pieces=pieces)
         check_pieces(layout, new)
-        self._last, _ = _tree.flatten(state, is_leaf=layout.is_pieces)
+        self._last, _ = _tree.leaves_and_rebuild(state, is_leaf=layout.is_pieces)
         return list(new)
 
 

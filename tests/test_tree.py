@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 
+import optree
 import pytest
 import torch
 
@@ -26,6 +27,7 @@ NOT_PLAIN = {
     "a namedtuple": _Pair(_A, None),
     "a tensor": _A,
 }
+_Custom = collections.namedtuple("_Custom", "a b")
 
 
 def _same_tree(x, y):
@@ -75,3 +77,44 @@ def test_any_other_tree_is_flattened(name):
 )
 def test_trees_of_other_structures_are_not_alike(trees):
     assert _tree.alike(trees) is None
+
+
+def _pieces(x):
+    return type(x) is list and len(x) == 2
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        _Pair(_A, [_A, _B]),  # a namedtuple of a leaf and a list is_leaf says is one
+        {"n": None, "p": [_B, _A]},
+        (_Pair(_A, None),),  # a namedtuple inside: flattened
+        [_A, [_B]],  # a list is_leaf does not take: flattened
+    ],
+)
+def test_leaves_and_rebuild_with_is_leaf_gives_what_flatten_gives(tree):
+    leaves, spec = _tree.flatten(tree, is_leaf=_pieces)
+    read, rebuild = _tree.leaves_and_rebuild(tree, is_leaf=_pieces)
+    assert len(read) == len(leaves) and all(a is b for a, b in zip(read, leaves, strict=True))
+    again = rebuild(leaves)
+    assert type(again) is type(tree)
+    assert _tree.flatten(again, is_leaf=_pieces)[1] == spec
+
+
+def test_a_namedtuple_registered_as_a_node_of_its_own_is_flattened_as_registered():
+    """optree lets one register a namedtuple class as a custom node in fsync's namespace;
+    then its flatten is the registered one, and so is what leaves_and_rebuild gives."""
+    with pytest.warns(UserWarning, match="namedtuple"):
+        optree.register_pytree_node(
+            _Custom,
+            lambda c: ((c.b,), c.a, None),  # only b is a child; a goes in the metadata
+            lambda a, children: _Custom(a, *children),
+            namespace=_tree.NAMESPACE,
+        )
+    try:
+        tree = _Custom(_A, _B)
+        read, rebuild = _tree.leaves_and_rebuild(tree)
+        assert len(read) == 1 and read[0] is _B
+        assert rebuild([_A]).a is _A and rebuild([_A]).b is _A
+    finally:
+        optree.unregister_pytree_node(_Custom, namespace=_tree.NAMESPACE)
