@@ -137,12 +137,11 @@ _Meta = tuple[Any, ...]
 
 
 def _flatten(tree: Any, what: str) -> tuple[list[Any], Structure, Callable[[Sequence[Any]], Any]]:
-    flat = _tree.flat_dict(tree)
-    if flat is not None:
+    same = _tree.alike([tree])
+    if same is not None and same.keys is not None:
         # dict(model.named_parameters()), the tree most code syncs: read directly, which
         # under torch.compile costs a fraction of tracing optree's generic flatten.
-        keys, leaves = flat
-        return leaves, ("dict", keys), lambda out: dict(zip(keys, out, strict=True))
+        return same.leaves[0], ("dict", same.keys), same.rebuild
     leaves, spec = _tree.flatten(tree)
     for i, leaf in enumerate(leaves):
         if leaf is not None and not isinstance(leaf, torch.Tensor | SparseLike):

@@ -63,34 +63,12 @@ def flatten(
     return optree.tree_flatten(tree, is_leaf, none_is_leaf=True, namespace=NAMESPACE)
 
 
-def flat_dict(tree: Any, /) -> tuple[tuple[Any, ...], list[Any]] | None:
-    """``(keys, values)`` of a plain dict of tensors and ``None``, else ``None``.
-
-    ``dict(model.named_parameters())`` is the tree most code syncs. Under
-    ``torch.compile`` reading it directly costs a fraction of tracing optree's
-    generic flatten (about 25 ms per leaf on our CPU machines), and gives the
-    same leaves in the same (insertion) order.
-    """
-    if type(tree) is not dict:
-        return None
-    values = list(tree.values())
-    if all(value is None or isinstance(value, torch.Tensor) for value in values):
-        return tuple(tree), values
-    return None
-
-
 class Alike(NamedTuple):
     """Trees of one plain container of leaves, read directly (``alike`` makes them)."""
 
     leaves: list[list[Any]]  # per tree
-    keys: tuple[Any, ...] | None  # the dicts' keys; None for lists and tuples
-    kind: type
-
-    def rebuild(self, leaves: Sequence[Any], /) -> Any:
-        """A tree like these with ``leaves``: what ``unflatten`` of their structure gives."""
-        if self.keys is not None:
-            return dict(zip(self.keys, leaves, strict=True))
-        return self.kind(leaves)
+    rebuild: Callable[[Sequence[Any]], Any]  # leaves -> a tree like these: what unflatten gives
+    keys: tuple[Any, ...] | None  # the dicts' keys; None for the sequences
 
     def path(self, i: int, /) -> str:
         """Leaf ``i``'s path, as ``path_str`` writes it."""
@@ -101,31 +79,30 @@ def alike(trees: Sequence[Any], /) -> Alike | None:
     """The leaves of ``trees`` where every one is the same plain container of leaves, else
     ``None`` (flatten them).
 
-    Plain: dicts with the same keys in the same order, or lists, or tuples, of one length,
-    whose values are tensors or ``None``; their leaves are what ``flatten`` gives, in its
-    order. An optimizer's update reads its parameters, gradients and state this way (a
-    ``dict(model.named_parameters())``, or the ZeRO step's one-tensor lists): under
-    ``torch.compile``, dynamo traces ``flatten`` through its optree polyfill, which makes a
-    ``PyTreeSpec`` object per node, about 8 ms each on our CPU machines (the GPT's AdamW
-    update, 78 leaves: 3.0 of its step's 9.6 s of tracing), where reading a container
-    directly costs a fraction of that.
+    Plain: dicts with the same keys in the same order, or lists, tuples or namedtuples of
+    one type and length (``_plain_node``), whose values are tensors or ``None``; their
+    leaves are what ``flatten`` gives, in its order. ``dict(model.named_parameters())`` is
+    the tree most code syncs, and an optimizer's update reads its parameters, gradients and
+    state this way (the ZeRO step's are one-tensor lists): under ``torch.compile``, dynamo
+    traces ``flatten`` through its optree polyfill, which makes a ``PyTreeSpec`` object per
+    node, about 8 ms each on our CPU machines (the GPT's AdamW update, 78 leaves: 3.0 of its
+    step's 9.6 s of tracing), where reading a container directly costs a fraction of that.
     """
     first = trees[0]
-    kind = type(first)
-    keys = None
-    if kind is dict:
-        keys = tuple(first)
-        if not all(type(tree) is dict and tuple(tree) == keys for tree in trees):
-            return None
-        leaves = [list(tree.values()) for tree in trees]
-    elif kind is list or kind is tuple:
-        if not all(type(tree) is kind and len(tree) == len(first) for tree in trees):
-            return None
-        leaves = [list(tree) for tree in trees]
-    else:
+    node = _plain_node(first)
+    if node is None:
         return None
+    keys = tuple(first) if type(first) is dict else None
+    if not all(
+        type(tree) is type(first)
+        and len(tree) == len(first)
+        and (keys is None or tuple(tree) == keys)
+        for tree in trees
+    ):
+        return None
+    leaves = [node[0], *(_children(tree) for tree in trees[1:])]
     if all(leaf is None or isinstance(leaf, torch.Tensor) for tree in leaves for leaf in tree):
-        return Alike(leaves, keys, kind)
+        return Alike(leaves, node[1], keys)
     return None
 
 
@@ -160,12 +137,17 @@ def _plain_node(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]] |
     kind = type(tree)
     if kind is dict:
         keys = tuple(tree)
-        return list(tree.values()), lambda children: dict(zip(keys, children, strict=True))
+        return _children(tree), lambda children: dict(zip(keys, children, strict=True))
     if kind is list or kind is tuple:
-        return list(tree), kind
+        return _children(tree), kind
     if isinstance(tree, tuple) and _builtin_namedtuple(kind):
-        return list(tree), lambda children: kind(*children)
+        return _children(tree), lambda children: kind(*children)
     return None
+
+
+def _children(node: Any) -> list[Any]:
+    """A plain node's children (a dict's values)."""
+    return list(node.values()) if type(node) is dict else list(node)
 
 
 def _builtin_namedtuple(kind: type) -> bool:

@@ -19,12 +19,13 @@ PLAIN = {
     "empty dict": {},
     "list": [_A, None, _B],
     "tuple": (_B,),
+    "a namedtuple": _Pair(_A, None),
 }
 NOT_PLAIN = {
     "nested dict": {"layer": {"w": _A}},
     "a float leaf": {"w": _A, "lr": 0.1},
     "an OrderedDict": collections.OrderedDict(w=_A),
-    "a namedtuple": _Pair(_A, None),
+    "a namedtuple holding a list": _Pair(_A, [_B]),
     "a tensor": _A,
 }
 _Custom = collections.namedtuple("_Custom", "a b")
@@ -72,6 +73,7 @@ def test_any_other_tree_is_flattened(name):
         [[_A], [_A, _B]],
         [[_A], (_A,)],
         [{"a": _A}, [_A]],
+        [(_A, _B), _Pair(_A, _B)],  # a tuple and a namedtuple
         [[_A], [{"x": _A}]],  # a container inside the second
     ],
 )
@@ -113,6 +115,7 @@ def test_a_namedtuple_registered_as_a_node_of_its_own_is_flattened_as_registered
         )
     try:
         tree = _Custom(_A, _B)
+        assert _tree.alike([tree]) is None
         read, rebuild = _tree.leaves_and_rebuild(tree)
         assert len(read) == 1 and read[0] is _B
         assert rebuild([_A]).a is _A and rebuild([_A]).b is _A
