@@ -29,6 +29,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import pytest
+
 from benchmarks.harness import PRELOAD, preloaded_context
 
 DEFAULT_TIMEOUT = 180.0
@@ -268,20 +270,25 @@ def run_at_once(
     return AtOnce(cases, pg_timeout=pg_timeout, timeout=timeout).results()
 
 
-def early(request: Any, test: str, cases: dict[Any, tuple[Any, ...]], **options: Any) -> Any:
-    """For a module's autouse fixture (a generator: ``yield from early(...)``): ``cases``
-    (:class:`AtOnce`, with ``options``) started as the module's first test starts, where the
-    session runs the module's ``test``, which reads them; else ``None``. Their waits for
-    the group's timeout then pass during the module's other tests."""
-    chosen = any(  # a doctest's item has no module
-        getattr(item, "module", None) is request.module and item.originalname == test
-        for item in request.session.items
-    )
-    if not chosen:
-        yield None
-        return
-    started = AtOnce(cases, **options)
-    try:
-        yield started
-    finally:
-        started.close()
+def started_early(name: str, test: str, cases: dict[Any, tuple[Any, ...]], **options: Any) -> Any:
+    """A module's autouse fixture ``name`` that starts ``cases`` (:class:`AtOnce`, with
+    ``options``) as the module's first test starts, where the session runs the module's
+    ``test``, which reads them through it; else its value is ``None``. Their waits for the
+    group's timeout then pass during the module's other tests."""
+
+    @pytest.fixture(scope="module", autouse=True, name=name)
+    def fixture(request: Any) -> Any:
+        chosen = any(  # a doctest's item has no module
+            getattr(item, "module", None) is request.module and item.originalname == test
+            for item in request.session.items
+        )
+        if not chosen:
+            yield None
+            return
+        started = AtOnce(cases, **options)
+        try:
+            yield started
+        finally:
+            started.close()
+
+    return fixture

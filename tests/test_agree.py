@@ -23,7 +23,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 import fsync
 from fsync._agree import AGREEMENT
 from fsync._comm import REPORT_PATIENCE_S
-from tests._world import World, early
+from tests._world import World, started_early
 
 # An error must come from the control collective, long before any timeout.
 FAST = 10.0
@@ -242,13 +242,15 @@ COMPILED_PG_TIMEOUT = 30.0
 STEADY_PG_TIMEOUT = 4.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compiled_peer_stopped(request):
-    """Both ways a peer stops, each on a world of its own, started as this module's first
-    test starts: their waits for the timeout overlap each other and the module's tests."""
-    cases = {mode: (2, _on_rank_compiled_peer_stops, mode) for mode in ("skips", "dies")}
-    test = "test_compiled_step_fails_within_the_timeout_when_a_peer_stops"
-    yield from early(request, test, cases, pg_timeout=COMPILED_PG_TIMEOUT, timeout=240)
+# Both ways a peer stops, each on a world of its own, started as this module's first test
+# starts: their waits for the timeout overlap each other and the module's tests.
+compiled_peer_stopped = started_early(
+    "compiled_peer_stopped",
+    "test_compiled_step_fails_within_the_timeout_when_a_peer_stops",
+    {mode: (2, _on_rank_compiled_peer_stops, mode) for mode in ("skips", "dies")},
+    pg_timeout=COMPILED_PG_TIMEOUT,
+    timeout=240,
+)
 
 
 def test_compiled_step_fails_within_the_timeout_when_a_peer_stops(compiled_peer_stopped):

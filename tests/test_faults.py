@@ -13,7 +13,7 @@ import fsync
 from fsync._agree import AGREEMENT
 from fsync._comm import REPORT_PATIENCE_S
 from tests._numerics import gathered, summation_bound
-from tests._world import World, early
+from tests._world import World, started_early
 
 PG_TIMEOUT = 4.0
 
@@ -44,24 +44,12 @@ def _missing_rank_1(message, world_size, stage, step):
 # Each fault test's cases at once, each on a fresh world with the short group timeout,
 # started as this module's first test starts: their waits for the timeout (~9 s) overlap
 # each other and the module's other tests.
-
-
-@pytest.fixture(scope="module", autouse=True)
-def never_synced(request):
-    cases = {mode: (2, _on_rank_one_skips_sync, mode) for mode in ("skips", "dies")}
-    test = "test_peer_that_never_syncs_fails_within_the_timeout"
-    yield from early(request, test, cases, pg_timeout=PG_TIMEOUT)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def stopped_syncing(request):
-    cases = {
-        (mode, size): (size, _on_rank_one_stops_after_steps, mode)
-        for size in (2, 3)
-        for mode in ("skips", "dies")
-    }
-    test = "test_peer_that_stops_in_the_steady_state_fails_within_the_timeout"
-    yield from early(request, test, cases, pg_timeout=PG_TIMEOUT)
+never_synced = started_early(
+    "never_synced",
+    "test_peer_that_never_syncs_fails_within_the_timeout",
+    {mode: (2, _on_rank_one_skips_sync, mode) for mode in ("skips", "dies")},
+    pg_timeout=PG_TIMEOUT,
+)
 
 
 def test_peer_that_never_syncs_fails_within_the_timeout(never_synced):
@@ -98,6 +86,19 @@ def _on_rank_one_stops_after_steps(mode):
     with pytest.raises(RuntimeError, match="an fsync collective failed") as error:
         sync(grads, state)
     return time.monotonic() - started, str(error.value)
+
+
+# Started with never_synced's, as the module's first test starts.
+stopped_syncing = started_early(
+    "stopped_syncing",
+    "test_peer_that_stops_in_the_steady_state_fails_within_the_timeout",
+    {
+        (mode, size): (size, _on_rank_one_stops_after_steps, mode)
+        for size in (2, 3)
+        for mode in ("skips", "dies")
+    },
+    pg_timeout=PG_TIMEOUT,
+)
 
 
 def test_peer_that_stops_in_the_steady_state_fails_within_the_timeout(stopped_syncing):

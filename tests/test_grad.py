@@ -30,7 +30,7 @@ import fsync
 from fsync import _comm
 from fsync._comm import REPORT_PATIENCE_S
 from tests._models import Backwards, Boom, func_loss, params_of, ref_batch, ref_loss, ref_model
-from tests._world import World, early
+from tests._world import World, started_early
 
 # Buckets of about one leaf each, so that a tree spans several.
 TINY = {"bucket_cap_mb": 1e-4, "first_bucket_mb": 1e-4}
@@ -538,13 +538,14 @@ def _on_rank_backward_raises():
     return time.monotonic() - started, str(error.value)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def backward_raised(request):
-    """The case below on a world of its own, started as this module's first test starts:
-    its ~9 s of waiting for the group's timeout pass during the module's other tests."""
-    cases = {"raises": (2, _on_rank_backward_raises)}
-    test = "test_a_rank_whose_backward_raises_leaves_the_others_with_fsyncs_error"
-    yield from early(request, test, cases, pg_timeout=PG_TIMEOUT)
+# The case on a world of its own, started as this module's first test starts: its ~9 s of
+# waiting for the group's timeout pass during the module's other tests.
+backward_raised = started_early(
+    "backward_raised",
+    "test_a_rank_whose_backward_raises_leaves_the_others_with_fsyncs_error",
+    {"raises": (2, _on_rank_backward_raises)},
+    pg_timeout=PG_TIMEOUT,
+)
 
 
 def test_a_rank_whose_backward_raises_leaves_the_others_with_fsyncs_error(backward_raised):

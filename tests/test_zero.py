@@ -26,7 +26,7 @@ from fsync._comm import REPORT_PATIENCE_S
 from fsync._pack import shard_numel
 from tests._models import Backwards, Boom, func_loss, params_of, ref_batch, ref_loss, ref_model
 from tests._numerics import AGREEMENT
-from tests._world import World, early
+from tests._world import World, started_early
 
 STEPS = 10
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
@@ -605,13 +605,14 @@ def _on_rank_backward_raises():
     return time.monotonic() - started, str(error.value), [op for op, _, _ in sent]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def backward_raised(request):
-    """The case below on a world of its own, started as this module's first test starts:
-    its ~9 s of waiting for the group's timeout pass during the module's other tests."""
-    cases = {"raises": (2, _on_rank_backward_raises)}
-    test = "test_a_rank_whose_backward_raises_leaves_the_others_with_fsyncs_error"
-    yield from early(request, test, cases, pg_timeout=PG_TIMEOUT)
+# The case on a world of its own, started as this module's first test starts: its ~9 s of
+# waiting for the group's timeout pass during the module's other tests.
+backward_raised = started_early(
+    "backward_raised",
+    "test_a_rank_whose_backward_raises_leaves_the_others_with_fsyncs_error",
+    {"raises": (2, _on_rank_backward_raises)},
+    pg_timeout=PG_TIMEOUT,
+)
 
 
 def test_a_rank_whose_backward_raises_leaves_the_others_with_fsyncs_error(backward_raised):
