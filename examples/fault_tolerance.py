@@ -190,10 +190,19 @@ def launch(args: argparse.Namespace) -> None:
     died of a signal; a group of several is a torchrun, whose ``--max-restarts 1``
     restarts all of its ranks when one dies.
     """
-    kill = None if args.kill is None else tuple(int(v) for v in args.kill.split(":"))
     minimum = args.replicas if args.min_replicas is None else args.min_replicas
     lighthouse = fsync.ft.lighthouse(min_replicas=minimum, join_timeout_ms=1000)
-    out = pathlib.Path(tempfile.mkdtemp(prefix="fsync-ft-"))
+    try:
+        with tempfile.TemporaryDirectory(prefix="fsync-ft-") as out:
+            run_replicas(args, lighthouse.address(), pathlib.Path(out))
+    finally:
+        lighthouse.shutdown()
+
+
+def run_replicas(args: argparse.Namespace, lighthouse: str, out: pathlib.Path) -> None:
+    """Every replica group to the end (a killed one started again once), then the checks:
+    the replicas' reports and states, written to ``out``."""
+    kill = None if args.kill is None else tuple(int(v) for v in args.kill.split(":"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
     ranks = args.ranks_per_replica
 
@@ -202,7 +211,7 @@ def launch(args: argparse.Namespace) -> None:
         if ranks > 1:  # torchrun's store on a free port; one restart of all the group's ranks
             torchrun = ["-m", "torch.distributed.run", "--standalone", "--max-restarts", "1"]
             command[1:1] = [*torchrun, "--nproc-per-node", str(ranks)]
-        command += ["--lighthouse", lighthouse.address(), "--steps", str(args.steps)]
+        command += ["--lighthouse", lighthouse, "--steps", str(args.steps)]
         command += ["--batch", str(args.batch), "--width", str(args.width), "--lr", str(args.lr)]
         command += ["--timeout", str(args.timeout)]
         command += [] if die_at is None else ["--die-at", str(die_at)]
@@ -231,11 +240,12 @@ def launch(args: argparse.Namespace) -> None:
                 restarted.add(k)
                 procs[k] = start(k)
                 continue
-            if code != 0:
+            if code != 0:  # the others would wait for it until their timeouts
+                for other in procs.values():
+                    other.terminate()  # torchrun passes it on to its ranks
                 raise SystemExit(f"replica {k} failed with exit code {code}")
             del procs[k]
     elapsed = time.perf_counter() - started
-    lighthouse.shutdown()
     names = [(k, r) for k in range(args.replicas) for r in range(ranks)]
     states = [torch.load(out / f"state-{k}-{r}.pt", weights_only=False) for k, r in names]
     for k, r in names:
