@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, unshaped only")
     parser.add_argument("--rounds", type=int, default=None, help="turns per setting (10)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per turn (3)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per turn (10)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per world (3)")
     parser.add_argument("--rates", default=",".join(RATES), help=f"comma-separated, of {RATES}")
     parser.add_argument("--slownet", type=pathlib.Path, default=TOOLS / "slownet")
@@ -101,7 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replica", metavar="CONFIG", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.rounds = args.rounds or (1 if args.smoke else 10)
-    args.steps = args.steps or (1 if args.smoke else 3)
+    # 10 steps a turn (3 until 2026-11-28: 0.4 s of the MLP, shorter than the swings of
+    # these shared 2 cores, which moved a round's ratio by up to a third).
+    args.steps = args.steps or (1 if args.smoke else 10)
     args.warmup = args.warmup or (1 if args.smoke else 3)
     return args
 
