@@ -210,7 +210,8 @@ def run_replicas(args: argparse.Namespace, lighthouse: str, out: pathlib.Path) -
         command = [sys.executable, __file__, "--replica", str(k), "--out", str(out)]
         if ranks > 1:  # torchrun's store on a free port; one restart of all the group's ranks
             torchrun = ["-m", "torch.distributed.run", "--standalone", "--max-restarts", "1"]
-            command[1:1] = [*torchrun, "--nproc-per-node", str(ranks)]
+            logs = ["--log-dir", str(out / "torchrun")]  # else a /tmp/torchelastic_* per run
+            command[1:1] = [*torchrun, *logs, "--nproc-per-node", str(ranks)]
         command += ["--lighthouse", lighthouse, "--steps", str(args.steps)]
         command += ["--batch", str(args.batch), "--width", str(args.width), "--lr", str(args.lr)]
         command += ["--timeout", str(args.timeout)]

@@ -12,6 +12,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -36,17 +37,21 @@ def environment() -> dict[str, str]:
 def torchrun(script: str, *args: str, timeout: float = RUN_TIMEOUT, nproc: int = 2) -> str:
     """Runs ``script`` (a path from the repository's root) on ``nproc`` ranks; returns rank
     0's stdout, or fails with the log."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        str(ROOT / script),
-        *args,
-    ]
-    return bounded(command, timeout, f"{script} {' '.join(args)}")
+    # Its logs' folder with the run: by default torchrun leaves a /tmp/torchelastic_* behind.
+    with tempfile.TemporaryDirectory(prefix="fsync-torchrun-") as logs:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--log-dir",
+            logs,
+            "--nproc-per-node",
+            str(nproc),
+            str(ROOT / script),
+            *args,
+        ]
+        return bounded(command, timeout, f"{script} {' '.join(args)}")
 
 
 def bounded(command: list[str], timeout: float, what: str) -> str:

@@ -18,6 +18,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -45,7 +46,14 @@ def twonodes(script: str, *args: str, rate: str = RATE) -> tuple[int, str]:
         pytest.skip(f"no twonodes tool at {TWONODES}")
     if os.geteuid() != 0:
         pytest.skip("twonodes needs root (network namespaces and tc)")
+    with tempfile.TemporaryDirectory(prefix="fsync-torchrun-") as logs:
+        return _on_two_nodes(script, args, rate, logs)
+
+
+def _on_two_nodes(script: str, args: tuple[str, ...], rate: str, logs: str) -> tuple[int, str]:
+    # torchrun's logs' folder: by default each node leaves a /tmp/torchelastic_* behind.
     torchrun = f"{shlex.quote(sys.executable)} -m torch.distributed.run {LAUNCH}"
+    torchrun += f" --log-dir {shlex.quote(logs)}"
     command = " ".join([torchrun, *(shlex.quote(a) for a in (script, *args))])
     # A session of its own, so that a timeout reaches torchrun on both nodes; they stop
     # their workers (each in a session of its own) on SIGTERM, and twonodes its namespaces.
