@@ -3,12 +3,11 @@
 ``Job`` starts an in-process lighthouse and replica processes, kills one with
 SIGKILL where a test says (inside backward, with buckets in flight, or between
 steps), restarts it, and reads what each replica left: a log of its steps (JSON
-lines) and its final state. A one-rank replica is forked from the server the test
-suite's gloo ranks come from, which imported torch and fsync once (an interpreter
-of its own spent ~2 s of CPU on that, twenty times a suite); the ranks of a
-replica group of several start as torchrun starts them, each an interpreter
-(``python -m tests._replicas CONFIG``), so that a group restarts seconds after
-it died, as under torchrun.
+lines) and its final state. Every rank of a replica is forked from the server the
+test suite's gloo ranks come from, which imported torch and fsync once (an
+interpreter of its own spent ~2 s of CPU on that, twenty times a suite), so a
+killed replica group starts again milliseconds after it died, sooner than torchrun
+restarts one (``tests/test_examples.py`` runs torchrun's own restart).
 
 A replica trains a small MLP (several buckets) with a transaction per step
 until the job has committed ``steps`` steps. Its batch is a function of the
@@ -22,8 +21,6 @@ import json
 import os
 import pathlib
 import signal
-import subprocess
-import sys
 import time
 from typing import Any, NamedTuple
 
@@ -31,10 +28,8 @@ import torch
 
 from tests._world import forked
 
-ROOT = pathlib.Path(__file__).parents[1]
 WIDTH, DEPTH, BATCH = 16, 3, 8
-# A replica's environment, forked or not: one OpenMP thread, torchft's Rust side quiet but
-# for errors.
+# A replica's environment: one OpenMP thread, torchft's Rust side quiet but for errors.
 ENV = {"OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
 
 
@@ -221,7 +216,10 @@ def main(config: dict[str, Any]) -> None:
         if rank == 0:
             torch.save(full, out / f"full-{me}.pt")
     log.write(json.dumps({"event": "done"}) + "\n")
+    time.sleep(config.get("close_after_s", {}).get(str(rank), 0.0))  # a rank slow to close
+    started = time.perf_counter()
     replica.close()
+    log.write(json.dumps({"event": "closed", "s": time.perf_counter() - started}) + "\n")
     os._exit(0)  # torchft's threads need not be joined
 
 
@@ -243,8 +241,8 @@ def plain(config: dict[str, Any]) -> TrainState:
 
 
 class Job:
-    """A lighthouse in this process and replica processes: a one-rank replica forked
-    (``_world.forked``), the ranks of a larger replica group each an interpreter.
+    """A lighthouse in this process and replica processes, each rank forked
+    (``_world.forked``).
 
     A replica group of several ranks (``config["ranks"]``) is its ranks' processes and a
     TCPStore this process serves for them, kept across the group's restarts as torchrun
@@ -281,10 +279,7 @@ class Job:
         for rank in range(self.ranks):
             me = name(index, rank, self.ranks)
             output = self.dir / f"stderr-{me}.txt"  # appended to by each life
-            if self.ranks == 1:
-                self.procs[index].append(forked(_replica, {**config, "rank": rank}, str(output)))
-            else:
-                self.procs[index].append(_Interpreter({**config, "rank": rank}, output))
+            self.procs[index].append(forked(_replica, {**config, "rank": rank}, str(output)))
 
     def wait(self, index: int, timeout: float) -> int:
         """Replica ``index``'s exit code: its first rank's that failed (the others are then
@@ -335,24 +330,6 @@ def _stop(procs: list[Any]) -> None:
             proc.join()
 
 
-class _Interpreter(subprocess.Popen[bytes]):
-    """``python -m tests._replicas CONFIG``, its output to ``output``; read as the forked
-    ones are (``exitcode``, ``kill``, ``join``)."""
-
-    def __init__(self, config: dict[str, Any], output: pathlib.Path) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), **ENV}
-        command = [sys.executable, "-m", "tests._replicas", json.dumps(config)]
-        with open(output, "ab") as err:  # the child keeps its copy
-            super().__init__(command, cwd=ROOT, env=env, stdout=err, stderr=err)
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.poll()
-
-    def join(self) -> None:
-        self.wait()
-
-
 def _replica(config: dict[str, Any], output: str) -> None:
     """A replica's rank in a process forked for it: its output to ``output``, its
     environment :data:`ENV`, then :func:`main`."""
@@ -361,9 +338,3 @@ def _replica(config: dict[str, Any], output: str) -> None:
     os.dup2(fd, 2)
     os.environ.update(ENV)
     main(config)
-
-
-if __name__ == "__main__":  # run as tests._replicas, so that its states unpickle anywhere
-    from tests._replicas import main as replica_main
-
-    replica_main(json.loads(sys.argv[1]))

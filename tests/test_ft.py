@@ -30,6 +30,7 @@ from tests.conftest import get_world
 
 TIMEOUT_S = 5  # torchft's timeout in the replicas: a hung peer costs the survivors this
 STEPS = 8
+CLOSE_AFTER_S = 1.5  # how long rank 1 of a two-rank replica group waits before it closes
 SEED = int(os.environ.get("FT_SEED", random.randrange(1 << 16)))
 
 
@@ -165,10 +166,19 @@ def test_replica_groups_of_two_ranks_survive_a_rank_killed_in_backward(tmp_path,
     # two ranks, each half of the momentum replicated across replicas. Rank 1 of replica 1
     # dies in backward; as under torchrun, its whole group stops and starts again, and each
     # of its ranks heals from the same rank of replica 0 (for ZeRO: its own half).
-    config = {**_config(), "ranks": 2, "min_replicas": 2, "mode": mode}
+    # Rank 1 of each group is slow to close: rank 0, whose process serves the group's
+    # torchft ManagerServer, must wait for it (Replica.close meets the group's ranks).
+    slow = {"close_after_s": {"1": CLOSE_AFTER_S}}
+    config = {**_config(), "ranks": 2, "min_replicas": 2, "mode": mode, **slow}
     job, codes, step = _run(tmp_path, config, victim=1, when="backward", rank=1)
     assert codes == {0: 0, 1: 0}, job.stderr(0) + job.stderr(1)
     ranks = [(k, r) for k in range(2) for r in range(2)]
+    for k in range(2):
+        # Both ranks leave the last should_commit together (the server answers all ranks
+        # of a group at once) and save their state before closing: rank 0's close lasts
+        # rank 1's wait less the difference of two saves of a small model (milliseconds).
+        closed = [e for e in job.log(k, 0) if e["event"] == "closed"]
+        assert closed and closed[0]["s"] >= CLOSE_AFTER_S / 2, (k, closed)
     for k, r in ranks:
         assert len(_commits(job.log(k, r))) == STEPS
     for r in range(2):  # replica 0 discarded the step its peer died in, on both ranks

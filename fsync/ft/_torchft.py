@@ -336,5 +336,11 @@ def _clear_stale_keys(store: Any, rank: int, within: Any) -> None:
         client = names.TCPStore(*store, is_master=False, wait_for_workers=False)
         for key in (names.MANAGER_ADDR_KEY, names.REPLICA_ID_KEY):
             client.delete_key(key)
+    meet_within(within, "the replica group's ranks meeting before their Managers start")
+
+
+def meet_within(within: Any, stage: str) -> None:
+    """Every rank of a replica group (its c10d group ``within``) here before any goes on:
+    one all-reduce, waited for (a ``CollectiveError`` naming ``stage`` if a rank is gone)."""
     one = torch.ones(1, device=_comm.default_device(within))  # on the GPU over NCCL
-    _comm.wait(_comm.all_reduce(one, "sum", within), "the replica group's ranks meeting")
+    _comm.wait(_comm.all_reduce(one, "sum", within), stage)

@@ -27,6 +27,7 @@ Owns: the transaction. May import: ``_comm``,
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 from collections.abc import Callable
@@ -110,6 +111,7 @@ class Replica:
         self.manager = manager
         self._replicas = _torchft.ManagerGroup(manager, device=device)
         self.group: _comm.ReplicaGroup = self._replicas
+        self._within = within
         if within is not None:
             self.group = _torchft.ReplicaMesh(within, self._replicas)
         self._exchange = _heal.Exchange()  # what heals a peer, and what healed this one
@@ -186,7 +188,17 @@ class Replica:
         return transaction
 
     def close(self) -> None:
-        """Shuts the Manager down (its server, its checkpoint transport)."""
+        """Shuts the Manager down (its server, its checkpoint transport).
+
+        In a replica group of several ranks every rank calls it, and they meet first:
+        rank 0's process serves torchft's ``ManagerServer`` for the group, and a rank
+        whose last ``should_commit`` was still being answered as rank 0 exited failed
+        with "transport error". A rank that is gone already ends the meeting early (the
+        group's timeout at most); the Manager is shut down either way.
+        """
+        if self._within is not None:  # a rank that is gone has no answer left to wait for
+            with contextlib.suppress(_comm.CollectiveError):
+                _torchft.meet_within(self._within, "the replica group's ranks meeting to close")
         self.manager.shutdown(wait=False)
 
     def _run(
