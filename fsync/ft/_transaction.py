@@ -183,7 +183,7 @@ class Replica:
 
         @functools.wraps(fn)
         def transaction(state: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Outcome]:
-            return self._run(fn, state, args, kwargs)
+            return _transact(self.manager, self._replicas, self._exchange, fn, state, args, kwargs)
 
         return transaction
 
@@ -201,33 +201,42 @@ class Replica:
                 _torchft.meet_within(self._within, "the replica group's ranks meeting to close")
         self.manager.shutdown(wait=False)
 
-    def _run(
-        self, fn: Callable[..., Any], state: Any, args: Any, kwargs: Any
-    ) -> tuple[Any, Outcome]:
-        self._exchange.committed = state  # served to a peer that heals in this quorum
-        self._replicas.begin()
-        state, healed = self._exchange.begin(state)
-        error: _comm.CollectiveError | None = None
-        try:
-            result = fn(state, *args, **kwargs)
-            self._replicas.meet_if_silent()
-        except _comm.CollectiveError as failure:
-            self.manager.report_error(failure)
-            result, error = (state, None), failure
-        finally:
-            self._replicas.live = False
-        if not isinstance(result, tuple) or len(result) != 2:
-            raise TypeError(_NOT_A_PAIR.format(got=type(result).__name__))
-        new_state, value = result
-        committed = bool(self.manager.should_commit())
-        if committed:
-            self._exchange.committed = new_state
-        outcome = Outcome(
-            committed=committed,
-            value=value,
-            step=int(self.manager.current_step()),
-            participants=int(self.manager.num_participants()),
-            healed=healed,
-            error=None if error is None else str(error),
-        )
-        return (new_state if committed else state), outcome
+
+def _transact(
+    manager: Any,
+    replicas: _torchft.ManagerGroup,
+    exchange: _heal.Exchange,
+    fn: Callable[..., Any],
+    state: Any,
+    args: Any,
+    kwargs: Any,
+) -> tuple[Any, Outcome]:
+    """One step of [fsync.ft.Replica.step][]: the quorum (and a heal), ``fn`` with its
+    collectives across ``replicas``, then ``should_commit``: ``fn``'s state or the old one."""
+    exchange.committed = state  # served to a peer that heals in this quorum
+    replicas.begin()
+    state, healed = exchange.begin(state)
+    error: _comm.CollectiveError | None = None
+    try:
+        result = fn(state, *args, **kwargs)
+        replicas.meet_if_silent()
+    except _comm.CollectiveError as failure:
+        manager.report_error(failure)
+        result, error = (state, None), failure
+    finally:
+        replicas.live = False
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise TypeError(_NOT_A_PAIR.format(got=type(result).__name__))
+    new_state, value = result
+    committed = bool(manager.should_commit())
+    if committed:
+        exchange.committed = new_state
+    outcome = Outcome(
+        committed=committed,
+        value=value,
+        step=int(manager.current_step()),
+        participants=int(manager.num_participants()),
+        healed=healed,
+        error=None if error is None else str(error),
+    )
+    return (new_state if committed else state), outcome
