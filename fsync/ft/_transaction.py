@@ -111,7 +111,6 @@ class Replica:
         self.manager = manager
         self._replicas = _torchft.ManagerGroup(manager, device=device)
         self.group: _comm.ReplicaGroup = self._replicas
-        self._within = within
         if within is not None:
             self.group = _torchft.ReplicaMesh(within, self._replicas)
         self._exchange = _heal.Exchange()  # what heals a peer, and what healed this one
@@ -196,9 +195,11 @@ class Replica:
         with "transport error". A rank that is gone already ends the meeting early (the
         group's timeout at most); the Manager is shut down either way.
         """
-        if self._within is not None:  # a rank that is gone has no answer left to wait for
+        if isinstance(self.group, _torchft.ReplicaMesh):  # a rank gone has no answer to wait for
             with contextlib.suppress(_comm.CollectiveError):
-                _torchft.meet_within(self._within, "the replica group's ranks meeting to close")
+                _torchft.meet_within(
+                    self.group.within, "the replica group's ranks meeting to close"
+                )
         self.manager.shutdown(wait=False)
 
 
