@@ -74,6 +74,10 @@ SETTINGS = (PLAIN, FT, TORCHFT_DDP, DDP)
 TORCHFT_SETTINGS = (FT, TORCHFT_DDP)  # each world of these gets a lighthouse of its own
 OVERHEAD = 1.05  # fsync.ft's step <= 1.05x plain fsync's
 AGAINST_DDP, AGAINST_DDP_RATE = 0.90, "8gbit"  # fsync.ft's step <= 0.90x torchft DDP's there
+# Bucket caps per rate (MiB; None: each library's default, 25 MiB for DDP and fsync alike).
+# Where the link waits, the rows run again with the slow-link page's 4 MiB: the last bucket
+# backward completes is the one nothing can hide, and at 25 MiB the MLP's is 24 of its 32 MB.
+CAPS: dict[str, tuple[float | None, ...]] = {"unshaped": (None,), "8gbit": (None, 4.0)}
 
 # torchft's timeouts, as every Manager and lighthouse of this page has them.
 TIMEOUT_S = 10.0  # the Manager's: a collective, a commit, a heal (a hung peer costs this)
@@ -113,6 +117,16 @@ def loads(smoke: bool) -> list[Load]:
     return [Load("MLP", 64, smoke=smoke), Load("GPT", 256, smoke=smoke)]
 
 
+def row_key(load: Load, cap: float | None) -> str:
+    """A row's name: the load, and its buckets where not the libraries' default."""
+    return str(load) if cap is None else f"{load}, {cap:g} MiB buckets"
+
+
+def _caps(cap: float | None) -> dict[str, Any]:
+    """DDP's and fsync's keyword for buckets of ``cap`` MiB (``None``: their default)."""
+    return {} if cap is None else {"bucket_cap_mb": cap}
+
+
 def local(address: str) -> str:
     """A lighthouse's address (``http://HOSTNAME:PORT``) through ``localhost``: it binds
     every interface, and inside slownet's namespace only the loopback is up."""
@@ -134,12 +148,16 @@ Step = Callable[[State, tuple[torch.Tensor, ...]], tuple[State, fsync.ft.Outcome
 
 
 def ft_training(
-    replica: fsync.ft.Replica, work: Workload, loss: Callable[..., torch.Tensor]
+    replica: fsync.ft.Replica,
+    work: Workload,
+    loss: Callable[..., torch.Tensor],
+    cap: float | None = None,
 ) -> tuple[Step, State]:
     """The transaction of one step (gradients synced over ``replica.group`` as backward
-    produces them, then ``fsync.optim.adamw``) and the state it starts from."""
+    produces them, in buckets of ``cap`` MiB, then ``fsync.optim.adamw``) and the state it
+    starts from."""
     opt = fsync.optim.adamw(LR)
-    sync = fsync.GradSync(group=replica.group)
+    sync = fsync.GradSync(group=replica.group, **_caps(cap))
     grad_fn = sync.grad_and_value(loss)
 
     def train(state: State, batch: tuple[torch.Tensor, ...]) -> tuple[State, torch.Tensor]:
@@ -161,7 +179,7 @@ def connect(lighthouse: str, replica_id: str) -> fsync.ft.Replica:
     )
 
 
-def plain_fsync(load: Load) -> Built:
+def plain_fsync(load: Load, cap: float | None) -> Built:
     """``fsync.grad_and_value`` over the world's own gloo group, ``fsync.optim.adamw``."""
     from benchmarks.harness import Built
     from benchmarks.steps import Held
@@ -169,7 +187,7 @@ def plain_fsync(load: Load) -> Built:
     work = load.build()
     batch = work.batch(dist.get_rank())
     opt = fsync.optim.adamw(LR)
-    grad_fn = fsync.grad_and_value(work.functional_loss)
+    grad_fn = fsync.grad_and_value(work.functional_loss, **_caps(cap))
 
     def train(params: dict[str, torch.Tensor], state: Any) -> Any:
         grads, _ = grad_fn(params, batch)
@@ -179,7 +197,7 @@ def plain_fsync(load: Load) -> Built:
     return Built(Held(train, params, opt.init(params)))
 
 
-def ft_fsync(load: Load, lighthouse: str) -> Built:
+def ft_fsync(load: Load, cap: float | None, lighthouse: str) -> Built:
     """``fsync.ft``'s transaction, one replica group per rank of the world."""
     from benchmarks.harness import Built
 
@@ -187,7 +205,7 @@ def ft_fsync(load: Load, lighthouse: str) -> Built:
     rank = dist.get_rank()
     batch = work.batch(rank)
     replica = connect(lighthouse, f"replica_{rank}")
-    step, state = ft_training(replica, work, work.functional_loss)
+    step, state = ft_training(replica, work, work.functional_loss, cap)
     box = [state]
     calls = [0]
 
@@ -198,7 +216,7 @@ def ft_fsync(load: Load, lighthouse: str) -> Built:
     return Built(call, lambda: _commits(replica.manager, calls[0]))
 
 
-def torchft_ddp(load: Load, lighthouse: str) -> Built:
+def torchft_ddp(load: Load, cap: float | None, lighthouse: str) -> Built:
     """torchft's module path: its DDP and ``OptimizerWrapper(torch.optim.AdamW)`` on a
     Manager made as ``Replica.connect`` makes fsync.ft's (``zero_grad`` starts the quorum,
     ``step`` asks ``should_commit``); the state it heals is the module's and AdamW's."""
@@ -217,7 +235,7 @@ def torchft_ddp(load: Load, lighthouse: str) -> Built:
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
         quorum_timeout=datetime.timedelta(seconds=QUORUM_TIMEOUT_S),
     )
-    model = DistributedDataParallel(manager, work.model)
+    model = DistributedDataParallel(manager, work.model, **_caps(cap))
     optimizer = OptimizerWrapper(manager, torch.optim.AdamW(model.parameters(), lr=LR))
 
     def save() -> dict[str, Any]:
@@ -239,7 +257,7 @@ def torchft_ddp(load: Load, lighthouse: str) -> Built:
     return Built(step, lambda: _commits(manager, calls[0]))
 
 
-def ddp(load: Load) -> Built:
+def ddp(load: Load, cap: float | None) -> Built:
     """``torch.nn.parallel.DistributedDataParallel`` over the world's gloo group, AdamW."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -247,7 +265,7 @@ def ddp(load: Load) -> Built:
 
     work = load.build()
     batch = work.batch(dist.get_rank())
-    model = DistributedDataParallel(work.model)
+    model = DistributedDataParallel(work.model, **_caps(cap))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step() -> None:
@@ -263,16 +281,23 @@ def _commits(manager: Any, calls: int) -> dict[str, Any]:
     return {"steps": calls, "committed": int(manager.current_step())}
 
 
-def row_settings(load: Load, lighthouses: Mapping[str, str]) -> list[Setting]:
-    """The four steps of a row; ``lighthouses``: each torchft setting's address."""
+def row_settings(load: Load, cap: float | None, lighthouses: Mapping[str, str]) -> list[Setting]:
+    """The four steps of a row, in buckets of ``cap`` MiB; ``lighthouses``: each torchft
+    setting's address."""
     from benchmarks.steps import setting
 
-    return [
-        setting(PLAIN, plain_fsync, load=load),
-        setting(FT, ft_fsync, load=load, lighthouse=lighthouses[FT]),
-        setting(TORCHFT_DDP, torchft_ddp, load=load, lighthouse=lighthouses[TORCHFT_DDP]),
-        setting(DDP, ddp, load=load),
-    ]
+    builders: dict[str, Callable[..., Built]] = {
+        PLAIN: plain_fsync,
+        FT: ft_fsync,
+        TORCHFT_DDP: torchft_ddp,
+        DDP: ddp,
+    }
+
+    def kwargs(name: str) -> dict[str, Any]:
+        where = {"lighthouse": lighthouses[name]} if name in lighthouses else {}
+        return {"load": load, "cap": cap, **where}
+
+    return [setting(name, build, **kwargs(name)) for name, build in builders.items()]
 
 
 # --- 3. recovery: replica processes, one killed and restarted ---------------------------------
@@ -481,7 +506,7 @@ def child(args: argparse.Namespace, rate: str) -> dict[str, Any]:
     os.environ.setdefault("RUST_LOG", "error")  # the lighthouses' log: errors only
     out: dict[str, Any] = {"steps": {}, "recovery": {}}
     timing = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
-    for load in loads(args.smoke):
+    for load, cap in itertools.product(loads(args.smoke), CAPS[rate]):
         started = time.perf_counter()
         made = {
             n: fsync.ft.lighthouse(min_replicas=2, join_timeout_ms=JOIN_TIMEOUT_MS)
@@ -489,13 +514,14 @@ def child(args: argparse.Namespace, rate: str) -> dict[str, Any]:
         }
         try:
             addresses = {name: local(lighthouse.address()) for name, lighthouse in made.items()}
-            out["steps"][str(load)] = harness.turns(
-                row_settings(load, addresses), **timing, env={"RUST_LOG": "error"}
+            out["steps"][row_key(load, cap)] = harness.turns(
+                row_settings(load, cap, addresses), **timing, env={"RUST_LOG": "error"}
             )
         finally:
             for lighthouse in made.values():
                 lighthouse.shutdown()
-        print(f"ft {rate}: {load} ({time.perf_counter() - started:.0f} s)", flush=True)
+        took = time.perf_counter() - started
+        print(f"ft {rate}: {row_key(load, cap)} ({took:.0f} s)", flush=True)
     if rate == "unshaped":
         kill_at, after = (2, 1) if args.smoke else (5, 3)
         for load in loads(args.smoke):
@@ -556,7 +582,8 @@ def targets(results: Mapping[str, Any]) -> list[Target]:
         for key in keys:
             text = f"{key}: fsync.ft <= {OVERHEAD:.2f}x plain fsync, {label(rate)}"
             out.append(table.check(text, ratio(rate, key, FT, PLAIN), OVERHEAD))
-    for key in keys:
+    for load, cap in itertools.product(loads(False), CAPS[AGAINST_DDP_RATE]):
+        key = row_key(load, cap)
         text = f"{key}: fsync.ft <= {AGAINST_DDP:.2f}x torchft DDP, {label(AGAINST_DDP_RATE)}"
         out.append(table.check(text, ratio(AGAINST_DDP_RATE, key, FT, TORCHFT_DDP), AGAINST_DDP))
     bound = bound_s()
@@ -667,7 +694,11 @@ STEPS_NOTE = (
     "settings (synchronous quorum; torchft's default starts the quorum asynchronously, "
     "which fsync.ft's transaction cannot). *DDP, plain gloo group*: "
     "`torch.nn.parallel.DistributedDataParallel` and `torch.optim.AdamW`. Every setting "
-    "uses its library's default buckets (25 MiB). *steps committed*: torchft's step count "
+    "uses its library's default buckets (25 MiB, the first 1 MiB) unless its row says "
+    "otherwise: at 8 Gbit/s each row runs again with 4 MiB buckets for every setting "
+    "(`bucket_cap_mb=4`, as on the slow-link page), since the last bucket backward "
+    "completes waits on the link after backward whatever the library does, and at 25 MiB "
+    "the MLP's last bucket holds 24 of its 32 MiB. *steps committed*: torchft's step count "
     "over the steps run (warm-up included); every step should commit."
 )
 RECOVERY_NOTE = (
