@@ -730,14 +730,17 @@ TIMEOUT_NOTE = (
 )
 
 
-def write(results: Mapping[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
-    """``benchmarks-ft.md`` in ``out``."""
+def write(
+    results: Mapping[str, Any], out: pathlib.Path, args: argparse.Namespace
+) -> list[pathlib.Path]:
+    """``benchmarks-ft.md`` in ``out``; ``args``: the run's rounds, steps and warm-up."""
     from benchmarks import table
 
     environment = table.environment(
         torchft=importlib.metadata.version("torchft"),
         backend="gloo on CPU, 2 replica groups of 1 rank, 1 intra-op thread each",
         rates=", ".join(label(r) for r in results) or "none",
+        rounds=f"{args.rounds}, of {args.steps} steps each (after {args.warmup} untimed)",
     )
     sections = [(table.targets(targets(results)), ""), *tables(results)]
     intro = [READING, table.markdown(["", ""], environment.items())]
@@ -759,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = measure(args)
     table.console([t for t, _ in tables(results)] + [table.targets(targets(results))])
-    print("wrote " + ", ".join(map(str, write(results, args.out))))
+    print("wrote " + ", ".join(map(str, write(results, args.out, args))))
     return 0
 
 
