@@ -11,7 +11,8 @@ a sync is measured rather than run, and a ``ReplicaGroup`` for the live replicas
 of a fault-tolerant job (``fsync.ft``: its collectives go through torchft's
 ``Manager``, eagerly; one of several ranks per replica group names its two levels,
 within the group and across replicas, and ``hierarchy`` takes them as a 2-D
-mesh's). With one rank no collective is issued.
+mesh's); ``ALONE`` is this rank by itself (the update group of a step that splits
+nothing). With one rank no collective is issued.
 
 Owns: every call into ``torch.distributed`` and the differences between torch
 releases. May import: torch and ``_trace`` (layer 1, above ``_trace`` alone).
@@ -159,6 +160,22 @@ class ReplicaGroup:
         return None
 
 
+class Alone:
+    """This rank by itself: a group of one, over which every collective is the identity.
+
+    The group a step splits its optimizer update over where nothing is split
+    (``fsync.ops.replicated``): every rank updates the whole of every bucket, so
+    there is nothing to gather. Use ``ALONE``.
+    """
+
+    def __repr__(self) -> str:
+        return "ALONE (this rank by itself)"
+
+
+ALONE = Alone()
+"""The one ``Alone`` group."""
+
+
 REPLICAS_UNDER_COMPILE = (
     "a ReplicaGroup (fsync.ft) runs eagerly only: its members change from one step to the "
     "next, and torch's functional collectives need a c10d group of fixed size, by name, at "
@@ -176,7 +193,9 @@ def _replicas(group: Group) -> ReplicaGroup | None:
     return group
 
 
-Group = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | Recorder | ReplicaGroup | None
+Group = (
+    dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | Recorder | ReplicaGroup | Alone | None
+)
 
 _NOT_INITIALISED = (
     "torch.distributed is not initialised. Call torch.distributed.init_process_group() "
@@ -213,7 +232,7 @@ def check_group(group: Group) -> None:
                 'mesh_dim_names=("node", "local")).'
             )
         return
-    if isinstance(group, Recorder | ReplicaGroup):
+    if isinstance(group, Recorder | ReplicaGroup | Alone):
         return
     placeholder: Any = group  # new_group's value on ranks it leaves out: an int
     if isinstance(placeholder, int) and placeholder == dist.GroupMember.NON_GROUP_MEMBER:
@@ -271,6 +290,8 @@ def _funcol_group(group: Group) -> Any:
 
 def size(group: Group) -> int:
     """Number of ranks in ``group``."""
+    if isinstance(group, Alone):
+        return 1
     if isinstance(group, Recorder):
         return group.world_size
     if isinstance(group, ReplicaGroup):
@@ -283,6 +304,8 @@ def size(group: Group) -> int:
 
 def rank(group: Group) -> int:
     """This process's rank within ``group``."""
+    if isinstance(group, Alone):
+        return 0
     if isinstance(group, Recorder):
         return group.rank
     if isinstance(group, ReplicaGroup):
@@ -299,6 +322,8 @@ def process_group(group: Group) -> dist.ProcessGroup:
     """The ``ProcessGroup`` behind ``group``."""
     if isinstance(group, ReplicaGroup):
         raise TypeError("a ReplicaGroup (fsync.ft) has no c10d ProcessGroup of fixed members.")
+    if isinstance(group, Alone):
+        raise TypeError("ALONE is this rank by itself: no c10d ProcessGroup stands behind it.")
     mesh_dim = _mesh_dim(group)
     if mesh_dim:
         return mesh_dim[0].get_group(mesh_dim[1])

@@ -29,12 +29,17 @@ autograd hooks pack each gradient into its bucket (``_backward``), and as each
 bucket completes, in plan order on every rank and after the ranks' agreement,
 its reduce is issued and the bucket before it is updated and gathered.
 
+``replicated`` is the same pipeline with nothing split: its ``shard_group`` is this
+rank alone (``_comm.ALONE``), so the layout is a world of one that owns every bucket
+whole, the reduce an all-reduce over ``group``, and the gather the identity.
+
 Owns: the ZeRO step's entry points and its checkpoints. May import: every layer
 below (1 to 6) and ``fsync.optim``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -107,8 +112,10 @@ def _plan_params(step: ZeroStep, params: Any) -> tuple[list[Any], ZeroLayout]:
     return leaves, _layout_of(step, plan)
 
 
+@dataclasses.dataclass(eq=False)
 class ZeroStep:
-    """A ZeRO optimizer step over buckets; build it with [fsync.ops.zero][].
+    """A ZeRO optimizer step over buckets; build it with [fsync.ops.zero][] (or, nothing
+    split, [fsync.ops.replicated][]).
 
     The object holds settings only; ``init(params)`` makes this rank's
     [fsync.ops.ZeroState][]. ``value_and_step(loss_fn)`` is the gradient call
@@ -118,31 +125,28 @@ class ZeroStep:
     Attributes:
         optimizer: The [fsync.optim.Optimizer][] applied to the pieces.
         options: The sync options (hook and bucket sizes).
-        hook: The hook the gradient buckets go through (the default filled in).
+        shard_group: The ranks the update and the optimizer state are split over:
+            ``group``, a replica group's own ranks (``fsync.ft.ReplicaMesh``), or
+            this rank alone ([fsync.ops.replicated][]: nothing split).
         shard_buckets: Whether buckets are sharded (``True``) or owned whole.
         group: The process group the gradients are reduced over.
-        shard_group: The ranks the update and the optimizer state are split over:
-            ``group``, or a replica group's own ranks (``fsync.ft.ReplicaMesh``).
         update_in_backward: Where ``value_and_step`` updates (``None``: by device).
+        hook: The hook the gradient buckets go through (the default filled in).
     """
 
-    def __init__(
-        self,
-        optimizer: Optimizer,
-        *,
-        options: SyncOptions,
-        shard_buckets: bool = True,
-        group: _comm.Group = None,
-        update_in_backward: bool | None = None,
-    ) -> None:
-        _checks.check_optimizer(optimizer)
-        self.optimizer = optimizer
-        self.options = options
-        self.hook: Hook = hook_of(options)
-        self.shard_buckets = bool(shard_buckets)
-        self.group = group
-        self.shard_group = shard_group(group)
-        self.update_in_backward = update_in_backward
+    optimizer: Optimizer
+    _: dataclasses.KW_ONLY
+    options: SyncOptions
+    shard_group: _comm.Group
+    shard_buckets: bool = True
+    group: _comm.Group = None
+    update_in_backward: bool | None = None
+    hook: Hook = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        _checks.check_optimizer(self.optimizer)
+        self.shard_buckets = bool(self.shard_buckets)
+        self.hook = hook_of(self.options)
 
     def layout(self, state: ZeroState, /) -> ZeroLayout:
         """The ``ZeroLayout`` of ``state``: its plan, owners and pieces."""
@@ -289,7 +293,9 @@ def _overlapped_call(
         in_backward = step.update_in_backward
         if in_backward is None:  # the CPU's cores are backward's: update after it there
             in_backward = any(t.device.type != "cpu" for t in p_leaves if t is not None)
-        stages = functools.partial(_Overlapped, layout, step.optimizer, p_leaves, state.opt)
+        stages = functools.partial(
+            _Overlapped, layout, step.optimizer, p_leaves, state.opt, gather_over=step.shard_group
+        )
         (buffers, opt_state, hook_state), output = synced_backward(
             settings.forward(args, kwargs, rebuild),
             settings.value,
@@ -352,7 +358,9 @@ def _stepped(
     )
     # Each rank needs only its shard of a bucket: the hook may reduce-scatter it.
     ctx = context(layout.plan, step.group, agreed.divisor, scatter=step.shard_buckets)
-    pipeline = ZeroPipeline(layout, step.optimizer, params, state.opt, step.hook, state.hook, ctx)
+    pipeline = ZeroPipeline(
+        layout, step.optimizer, params, state.opt, step.hook, state.hook, ctx, step.shard_group
+    )
     pipeline.push_all(dense(buckets, layout.plan))
     return pipeline.drain()
 
@@ -374,9 +382,11 @@ class _Overlapped:
         group: _comm.Group,
         agreement: Agreement,
         *,
+        gather_over: _comm.Group,
         in_backward: bool,
     ) -> None:
         self._make = functools.partial(ZeroPipeline, layout, optimizer, params, opt_state, hook)
+        self._gather_over = gather_over
         self._in_backward = in_backward
         self._plan, self._hook_state, self._group = plan, hook_state, group
         self._agreement, self._scatter = agreement, layout.shard_buckets
@@ -386,7 +396,7 @@ class _Overlapped:
         if self._pipeline is None:  # the first bucket waits for the ranks' agreement
             divisor = self._agreement.conclude().divisor
             ctx = context(self._plan, self._group, divisor, scatter=self._scatter)
-            self._pipeline = self._make(self._hook_state, ctx)
+            self._pipeline = self._make(self._hook_state, ctx, self._gather_over)
         return self._pipeline
 
     def start(self, k: int, buffer: torch.Tensor) -> None:
@@ -472,23 +482,107 @@ def zero(
         >>> params["b"]
         tensor([-0.5000, -0.5000])
     """
-    given = OptionKeywords(hook=hook, first_bucket_mb=first_bucket_mb)
-    if bucket_cap_mb is not None:  # else the default for the group (SyncOptions.of)
-        given["bucket_cap_mb"] = bucket_cap_mb
-    mesh = _comm.hierarchy(group) is not None
-    options = SyncOptions.of(given, where="fsync.ops.zero", mesh=mesh)
-    if update_in_backward is not None and not isinstance(update_in_backward, bool):
-        raise TypeError(
-            f"update_in_backward is {update_in_backward!r}; expected True, False or None "
-            "(None: during backward on an accelerator, after it on the CPU)."
-        )
+    options = _step_options(
+        "fsync.ops.zero", hook, group, bucket_cap_mb, first_bucket_mb, update_in_backward
+    )
     return ZeroStep(
         optimizer,
         options=options,
         shard_buckets=shard_buckets,
         group=group,
+        shard_group=shard_group(group),
         update_in_backward=update_in_backward,
     )
+
+
+def replicated(
+    optimizer: Optimizer,
+    *,
+    hook: Hook | None = None,
+    group: _comm.Group = None,
+    bucket_cap_mb: float | None = None,
+    first_bucket_mb: float = 1.0,
+    update_in_backward: bool | None = None,
+) -> ZeroStep:
+    """The ZeRO step's pipeline with nothing split: every rank updates every bucket.
+
+    Data parallelism as DDP does it, the optimizer state whole on every rank, with
+    the ZeRO step's schedule: per bucket of the plan the gradients are
+    all-reduced through ``hook`` and the bucket's parameters updated by
+    ``optimizer`` as soon as its all-reduce is over, while the buckets after it
+    are still on the wire; nothing is gathered. ``value_and_step`` does it in one
+    backward pass (after backward on the CPU, as the reduces arrive, by
+    default): where the link is slower than backward, the update hides behind
+    the last buckets' transfer instead of following it. The result is
+    ``optimizer.update(params, synced_grads, opt_state)`` after
+    [fsync.sync_grads][] with the same options, bit for bit (a leafwise
+    optimizer's operations are elementwise); the optimizer state, as
+    [fsync.ops.zero_state_dict][] gathers it, is that update's state.
+
+    Args:
+        optimizer: An [fsync.optim.Optimizer][], applied to each bucket flat.
+        hook: The [fsync.Hook][] for the gradient buckets; default
+            ``fsync.ops.allreduce("mean")``.
+        group: As for [fsync.ops.zero][]; also the replica group of an
+            [fsync.ft.Replica][] of one rank (the state is then healed whole).
+        bucket_cap_mb: Bucket size limit in MiB; ``None``: 25, or 4 on a 2-D mesh.
+        first_bucket_mb: Size limit of the first bucket in MiB.
+        update_in_backward: As for [fsync.ops.zero][].
+
+    Returns:
+        A [fsync.ops.ZeroStep][] whose ``shard_group`` is this rank alone:
+        ``state = step.init(params)``, then ``params, state = step(params, grads,
+        state)`` or ``(params, loss), state = step.value_and_step(loss_fn)(state,
+        params, batch)``.
+
+    Raises:
+        TypeError: ``optimizer`` or ``hook`` has the wrong type, or
+            ``update_in_backward`` is not a bool or ``None``.
+        ValueError: A bucket size is not a finite positive number.
+
+    Example:
+        >>> import torch, fsync
+        >>> step = fsync.ops.replicated(fsync.optim.sgd(0.5))
+        >>> state = step.init({"w": torch.ones(2)})
+        >>> call = step.value_and_step(lambda p, x: (p["w"] * x).sum())
+        >>> (params, loss), state = call(state, {"w": torch.ones(2)}, torch.ones(2))
+        >>> params["w"], loss
+        (tensor([0.5000, 0.5000]), tensor(2.))
+    """
+    options = _step_options(
+        "fsync.ops.replicated", hook, group, bucket_cap_mb, first_bucket_mb, update_in_backward
+    )
+    # Every rank owns every bucket whole: a world of one, this rank, that gathers nothing.
+    return ZeroStep(
+        optimizer,
+        options=options,
+        shard_buckets=False,
+        group=group,
+        shard_group=_comm.ALONE,
+        update_in_backward=update_in_backward,
+    )
+
+
+def _step_options(
+    where: str,
+    hook: Hook | None,
+    group: _comm.Group,
+    bucket_cap_mb: float | None,
+    first_bucket_mb: float,
+    update_in_backward: bool | None,
+) -> SyncOptions:
+    """The sync options of a step built by ``where``; ``update_in_backward`` checked."""
+    given = OptionKeywords(hook=hook, first_bucket_mb=first_bucket_mb)
+    if bucket_cap_mb is not None:  # else the default for the group (SyncOptions.of)
+        given["bucket_cap_mb"] = bucket_cap_mb
+    mesh = _comm.hierarchy(group) is not None
+    options = SyncOptions.of(given, where=where, mesh=mesh)
+    if update_in_backward is not None and not isinstance(update_in_backward, bool):
+        raise TypeError(
+            f"update_in_backward is {update_in_backward!r}; expected True, False or None "
+            "(None: during backward on an accelerator, after it on the CPU)."
+        )
+    return options
 
 
 def zero_state_dict(state: ZeroState, step: ZeroStep, /, *, to: int = 0) -> Any:
@@ -508,7 +602,8 @@ def zero_state_dict(state: ZeroState, step: ZeroStep, /, *, to: int = 0) -> Any:
         to: The rank (within the step's ``shard_group``) that receives the full state.
 
     Returns:
-        The full optimizer state on rank ``to``; ``None`` on the other ranks.
+        The full optimizer state on rank ``to``; ``None`` on the other ranks. A
+        replicated step's state is whole on every rank, and every rank gets it.
 
     Raises:
         TypeError: ``step`` is not a [fsync.ops.ZeroStep][] or ``state`` not a

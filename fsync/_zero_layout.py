@@ -34,7 +34,9 @@ _ZERO_ACROSS_REPLICAS = (
     "a process group, a mesh, or a replica group of several ranks (Replica(manager, "
     "within=...)). The ZeRO step splits its update over the ranks of a replica group and "
     "replicates each part across replicas; a replica group of one rank has nothing to split "
-    "it over: update with the optimizer itself (its state replicated, healed whole)."
+    "it over: use fsync.ops.replicated(optimizer, group=replica.group), which updates each "
+    "bucket as its sum across replicas arrives, its state whole on every replica (healed "
+    "whole), or the optimizer itself after GradSync."
 )
 
 GATHER_FIX = (

@@ -61,7 +61,6 @@ from fsync._zero_layout import (
     check_pieces,
     own_part,
     read_range,
-    shard_group,
     start_gather,
 )
 from fsync.optim._base import Optimizer
@@ -145,6 +144,8 @@ class ZeroPipeline:
         hook_state: Its state.
         ctx: The hook's context for every dense bucket, the ranks' agreement done
             (``_reduce.context``, with ``scatter`` when buckets are sharded).
+        gather_over: The ranks the update is split over and its pieces gathered from
+            (``ZeroStep.shard_group``).
     """
 
     def __init__(
@@ -156,11 +157,12 @@ class ZeroPipeline:
         hook: Hook,
         hook_state: Any,
         ctx: SyncContext,
+        gather_over: _comm.Group,
     ) -> None:
         self._layout, self._params = layout, params
-        # The ranks that split the update and gather its pieces: ctx.group's, or a replica
-        # group's own (ZeroStep.shard_group).
-        self._gather_over = shard_group(ctx.group)
+        # The ranks that split the update and gather its pieces (ZeroStep.shard_group):
+        # ctx.group's, a replica group's own, or this rank alone (nothing to gather).
+        self._gather_over = gather_over
         self._hook, self._hook_state, self._ctx = hook, hook_state, ctx
         self._updates = PieceUpdates(optimizer, layout, opt_state)
         # Whether a bucket can be reduced on its own, and updated on its own.

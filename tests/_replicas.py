@@ -74,8 +74,10 @@ def setup(config: dict[str, Any], group: Any):
     sync = fsync.GradSync(group=group, hook=hook, bucket_cap_mb=0.001, first_bucket_mb=0.001)
     opt = fsync.optim.sgd(0.05, momentum=0.9)
     params = model(config.get("width", WIDTH))
-    if config["mode"] == "zero":  # the update split over a replica group's ranks
-        zero = fsync.ops.zero(opt, group=group, bucket_cap_mb=0.001, first_bucket_mb=0.001)
+    if config["mode"] in ("zero", "replicated"):  # the update split over a replica group's
+        # ranks, or (replicated) whole on each, each bucket updated as its sum arrives
+        build = fsync.ops.zero if config["mode"] == "zero" else fsync.ops.replicated
+        zero = build(opt, group=group, bucket_cap_mb=0.001, first_bucket_mb=0.001)
         return zero, None, TrainState(params, (), zero.init(params), torch.tensor(0))
     if config["mode"] == "diloco":
         h = config.get("inner_steps", 2)
@@ -96,7 +98,7 @@ def train_step(sync: Any, opt: Any, config: dict[str, Any], rank: int, kill: Any
             params, opt_state = opt.update(state.params, grads, state.opt)
             params, outer_state = sync.update(params, state.sync)
             return TrainState(params, opt_state, outer_state, state.count + 1), float(loss)
-        if config["mode"] == "zero":
+        if config["mode"] in ("zero", "replicated"):
             call = sync.value_and_step(loss_fn)
             (params, loss), zero_state = call(state.sync, state.params, x, y, kill)
             return TrainState(params, (), zero_state, state.count + 1), float(loss)
@@ -211,7 +213,7 @@ def main(config: dict[str, Any]) -> None:
         if kill_step is not None and kill_at["when"] == "between" and outcome.step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
     torch.save(state, out / f"final-{me}.pt")
-    if config["mode"] == "zero":  # the optimizer state whole, gathered in the replica group
+    if config["mode"] in ("zero", "replicated"):  # the optimizer state whole (gathered within)
         full = fsync.ops.zero_state_dict(state.sync, sync)
         if rank == 0:
             torch.save(full, out / f"full-{me}.pt")

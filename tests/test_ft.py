@@ -104,6 +104,32 @@ def test_without_failures_the_replicas_compute_what_plain_fsync_does(tmp_path):
     assert _identical(states[0], plain[0])
 
 
+@pytest.mark.timeout(200)
+def test_a_replica_killed_in_backward_heals_the_replicated_steps_state(tmp_path):
+    # fsync.ops.replicated over the replicas: each bucket updated as its sum across replicas
+    # arrives. A replica dies in backward with buckets in flight; the survivor waits for it
+    # (min_replicas=2), discards the step, and the restarted one heals the ZeroState whole.
+    config = {**_config(), "min_replicas": 2, "mode": "replicated"}
+    job, codes, step = _run(tmp_path, config, victim=1, when="backward")
+    assert codes == {0: 0, 1: 0}, job.stderr(0) + job.stderr(1)
+    failed = [e for e in job.log(0) if e["event"] == "step" and not e["committed"]]
+    assert failed and failed[0]["step"] == step and failed[0]["error"], failed
+    restarted = job.log(1)
+    second = [i for i, e in enumerate(restarted) if e["event"] == "start"][1]
+    assert restarted[second + 1]["healed"], restarted
+    for k in range(2):
+        assert len(_commits(job.log(k))) == STEPS
+    assert _identical(job.final(0), job.final(1))
+    # Every committed step had both replicas with the same batches: plain fsync over two
+    # ranks then the optimizer, bit for bit (the same sums; SGD's operations elementwise,
+    # on a flat bucket or on the parameter alike in float32), the momentum whole included.
+    plain = get_world(2).run(_replicas.plain, {**config, "mode": "grad"})
+    final = job.final(0)
+    assert _identical((final.params, final.count), (plain[0].params, plain[0].count))
+    for k in range(2):
+        assert _identical(job.full_optimizer_state(k), plain[0].opt), k
+
+
 @pytest.mark.timeout(240)
 def test_a_replica_killed_in_backward_restarts_and_heals_powersgd_state(tmp_path):
     # The lighthouse waits for all 3 (the survivors wait for the restart, at the quorum):
@@ -596,6 +622,34 @@ def test_the_zero_step_is_refused_over_replicas_of_one_rank():
     # Nothing to split the update over: the optimizer itself, its state healed whole.
     with pytest.raises(ValueError, match="a replica group of one rank has nothing to split"):
         fsync.ops.zero(fsync.optim.adam(1e-3), group=_Mirror())
+
+
+def test_the_replicated_step_over_replicas_of_one_rank_is_the_optimizer_after_the_sync():
+    # What the refusal above points to: the state whole on each replica, each bucket updated
+    # as its sum across replicas arrives; the bits of GradSync over the replicas, then the
+    # optimizer, with the mean divided by the step's replicas.
+    small = {"bucket_cap_mb": 0.0001, "first_bucket_mb": 0.0001}
+    opt = fsync.optim.adamw(1e-2, weight_decay=0.1)
+    replicas = _Mirror()
+    step = fsync.ops.replicated(opt, group=replicas, **small)
+    sync = fsync.GradSync(group=_Mirror(), **small)
+    g = torch.Generator().manual_seed(0)
+    params = expected = {"w": torch.randn(9, 8, generator=g), "b": torch.randn(31, generator=g)}
+    state, sync_state, opt_state = step.init(params), sync.init(params), opt.init(params)
+    assert step.layout(state).world_size == 1 and len(step.layout(state).plan.buckets) > 1
+    call = step.value_and_step(lambda p, c: sum((p[k] * c[k]).sum() for k in p))
+    for s in range(3):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        (params, _), state = call(state, params, grads)  # the linear loss's gradient: grads
+        synced, sync_state = sync(grads, sync_state)
+        expected, opt_state = opt.update(expected, synced, opt_state)
+        assert all(torch.equal(params[k], expected[k]) for k in params), s
+    # Each bucket crossed once per step, whole, and nothing else did but the agreement.
+    buckets = [spec.numel for spec in step.layout(state).plan.specs]
+    assert sorted(n for n in replicas.sent if n in buckets) == sorted(buckets * 3)
+    full = fsync.ops.zero_state_dict(state, step)
+    mine, theirs = fsync._tree.flatten(full)[0], fsync._tree.flatten(opt_state)[0]
+    assert len(mine) == len(theirs) and all(map(torch.equal, mine, theirs))
 
 
 def test_a_replica_group_of_several_ranks_needs_its_store_and_its_ranks_group():

@@ -11,6 +11,7 @@ import copy
 import functools
 import re
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -332,6 +333,129 @@ def _on_rank_mixed_dtypes(shard_buckets):
 @pytest.mark.parametrize("shard_buckets", [True, False])
 def test_mixed_dtypes_and_none_leaves(world: World, shard_buckets):
     world.run(_on_rank_mixed_dtypes, shard_buckets)
+
+
+# --- replicated: the same pipeline, nothing split ----------------------------------------------
+
+_OPTIMIZERS = {
+    "sgd": lambda: fsync.optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
+    "adam": lambda: fsync.optim.adam(0.1, weight_decay=0.01),
+    "adamw": lambda: fsync.optim.adamw(0.1, weight_decay=0.1),
+}
+
+
+def _assert_elementwise(ours, expected, name, steps, what):
+    """Equal bit for bit, but for bfloat16 under SGD: torch's CPU kernel for a bfloat16
+    ``add(x, y, alpha=a)`` fuses the multiply-add in its vectorised loop and rounds ``a * y``
+    first in its scalar tail, so an element's bits depend on where it falls in its tensor,
+    and a flat bucket and the parameter cut from it may disagree by an ulp of the scale per
+    such add: two per step (the parameter and the momentum buffer)."""
+    a, b = _tree.flatten(ours)[0], _tree.flatten(expected)[0]
+    assert len(a) == len(b), what
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if not isinstance(x, torch.Tensor):
+            assert x == y, (what, i)
+        elif x.dtype == torch.bfloat16 and name == "sgd":
+            ulp = torch.finfo(torch.bfloat16).eps * y.abs().max().float()
+            assert (x.float() - y.float()).abs().max() <= 2 * steps * ulp, (what, i)
+        else:
+            assert x.dtype == y.dtype and torch.equal(x, y), (what, i)
+
+
+def _on_rank_replicated():
+    """``fsync.ops.replicated`` on four dtypes, a None leaf and several buckets: its step and
+    its overlapped call give the bits of ``GradSync`` with the same options followed by the
+    optimizer, every rank holds the whole optimizer state, and nothing is gathered."""
+    rank = dist.get_rank()
+    start = _mixed_tree()
+    steps = 3
+    for name, make in _OPTIMIZERS.items():
+        opt = make()
+        step, sync = fsync.ops.replicated(opt, **SMALL), fsync.GradSync(**SMALL)
+        state = step.init(start)
+        layout = step.layout(state)
+        assert step.shard_group is _comm.ALONE and layout.world_size == 1
+        assert len(layout.plan.buckets) >= 3 and set(layout.owners) == {0}
+        assert _nbytes(state.opt) == _nbytes(opt.init(start))  # whole on every rank
+        call = step.value_and_step(_linear_loss)
+        params = overlapped = expected = start
+        o_state, sync_state, opt_state = state, sync.init(start), opt.init(start)
+        for s in range(steps):
+            g = torch.Generator().manual_seed(100 * s + rank)
+            coefficients = {
+                k: None if v is None else torch.randn(v.shape, generator=g)
+                for k, v in start.items()
+            }
+            grads = {
+                k: None if c is None else c.to(start[k].dtype) for k, c in coefficients.items()
+            }
+            with mock.patch.object(_comm, "broadcast", wraps=_comm.broadcast) as sent:
+                params, state = step(params, grads, state)
+                (overlapped, _), o_state = call(o_state, overlapped, coefficients)
+            # Each bucket's "gather" is a broadcast from this rank to itself: the identity.
+            buckets = len(layout.plan.buckets)
+            assert len(sent.call_args_list) == 2 * buckets, sent.call_args_list
+            assert all(c.args[2] is _comm.ALONE for c in sent.call_args_list)
+            synced, sync_state = sync(grads, sync_state)
+            expected, opt_state = opt.update(expected, synced, opt_state)
+            # The gradient of the linear loss is ``grads``, bit for bit.
+            _assert_bitwise((overlapped, o_state), (params, state), f"{name} step {s}")
+        assert params["e"] is None
+        assert params["d"].is_contiguous(memory_format=torch.channels_last)
+        _assert_elementwise(params, expected, name, steps, f"{name}: parameters")
+        full = fsync.ops.zero_state_dict(state, step)  # every rank: its own state is whole
+        _assert_elementwise(full, opt_state, name, steps, f"{name}: optimizer state")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3], indirect=True)
+def test_replicated_is_the_optimizer_after_the_sync_bit_for_bit(world: World):
+    world.run(_on_rank_replicated)
+
+
+def _on_rank_replicated_compiled():
+    """The replicated overlapped call under ``fsync.compile``: one all-reduce per bucket and
+    no other collective, the eager call's numbers (AdamW, its lr a tensor changed every
+    step without a recompile)."""
+    rank = dist.get_rank()
+    params = _mixed_tree()
+    lr = torch.tensor(0.1, dtype=torch.float64)
+    step = fsync.ops.replicated(fsync.optim.adamw(lr), **SMALL)
+    call = step.value_and_step(_linear_loss)
+    buckets = len(step.layout(step.init(params)).plan.buckets)
+    compiled = fsync.compile(call)
+    eager = ours = (_cloned(params), step.init(params))
+    for s in range(3):
+        lr.fill_(0.1 / (s + 1))
+        g = torch.Generator().manual_seed(100 * s + rank)
+        coefficients = {
+            k: None if v is None else torch.randn(v.shape, generator=g) for k, v in params.items()
+        }
+        (p, _), state = call(eager[1], eager[0], coefficients)
+        eager = (p, state)
+        with torch._dynamo.config.patch(error_on_recompile=s > 0):
+            if s == 0:
+                ((p, _), state), code = run_and_get_code(compiled, ours[1], ours[0], coefficients)
+            else:
+                (p, _), state = compiled(ours[1], ours[0], coefficients)
+        ours = (p, state)
+    count = _collectives(code[-1])
+    assert count == {**dict.fromkeys(count, 0), "all_reduce": buckets}, count
+    assert int(ours[1].step) == 3 and ours[0]["e"] is None
+    for k, e in eager[0].items():
+        if e is None:
+            continue
+        # As in the compiled ZeRO test below: exact gradients, and the optimizer's
+        # intermediates kept in float32 registers by inductor where eager rounds each
+        # operation: 1 ulp of the parameter's scale per step (4 for bfloat16), three steps.
+        per_step = 4 if e.dtype == torch.bfloat16 else 1
+        ulp = torch.finfo(e.dtype).eps * e.abs().max().double()
+        diff = (ours[0][k].double() - e.double()).abs().max()
+        assert ours[0][k].dtype == e.dtype and diff <= 3 * per_step * ulp, (k, diff / ulp)
+
+
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_replicated_compiled_issues_one_all_reduce_per_bucket(world: World):
+    world.run(_on_rank_replicated_compiled, timeout=300)
 
 
 # --- hooks: compression composes; whole buckets are sharded locally -----------------------
