@@ -68,10 +68,12 @@ if TYPE_CHECKING:
 RATES = ("unshaped", "8gbit")
 PLAIN = "fsync, plain gloo group"
 FT = "fsync.ft, Replica.step"
+FT_REPLICATED = "fsync.ft, Replica.step, replicated value_and_step"
 TORCHFT_DDP = "torchft DDP + OptimizerWrapper"
 DDP = "DDP, plain gloo group"
-SETTINGS = (PLAIN, FT, TORCHFT_DDP, DDP)
-TORCHFT_SETTINGS = (FT, TORCHFT_DDP)  # each world of these gets a lighthouse of its own
+SETTINGS = (PLAIN, FT, FT_REPLICATED, TORCHFT_DDP, DDP)
+# Each world of these gets a lighthouse of its own.
+TORCHFT_SETTINGS = (FT, FT_REPLICATED, TORCHFT_DDP)
 OVERHEAD = 1.05  # fsync.ft's step <= 1.05x plain fsync's
 AGAINST_DDP, AGAINST_DDP_RATE = 0.90, "8gbit"  # fsync.ft's step <= 0.90x torchft DDP's there
 # Bucket caps per rate (MiB; None: each library's default, 25 MiB for DDP and fsync alike).
@@ -199,13 +201,36 @@ def plain_fsync(load: Load, cap: float | None) -> Built:
 
 def ft_fsync(load: Load, cap: float | None, lighthouse: str) -> Built:
     """``fsync.ft``'s transaction, one replica group per rank of the world."""
-    from benchmarks.harness import Built
-
     work = load.build()
     rank = dist.get_rank()
-    batch = work.batch(rank)
     replica = connect(lighthouse, f"replica_{rank}")
     step, state = ft_training(replica, work, work.functional_loss, cap)
+    return _transacting(replica, step, state, work.batch(rank))
+
+
+def ft_replicated(load: Load, cap: float | None, lighthouse: str) -> Built:
+    """``fsync.ft``'s transaction around ``fsync.ops.replicated``'s ``value_and_step``:
+    AdamW on each bucket as its sum across replicas arrives, the state whole."""
+    work = load.build()
+    rank = dist.get_rank()
+    replica = connect(lighthouse, f"replica_{rank}")
+    step = fsync.ops.replicated(fsync.optim.adamw(LR), group=replica.group, **_caps(cap))
+    call = step.value_and_step(work.functional_loss)
+
+    def train(state: tuple[Any, Any], batch: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
+        (params, value), zero_state = call(state[1], state[0], batch)
+        return (params, zero_state), value
+
+    params = work.params()
+    return _transacting(replica, replica.step(train), (params, step.init(params)), work.batch(rank))
+
+
+def _transacting(
+    replica: fsync.ft.Replica, step: Callable[..., Any], state: Any, batch: Any
+) -> Built:
+    """A setting's call: ``step`` (a transaction) from ``state`` on ``batch``, state kept."""
+    from benchmarks.harness import Built
+
     box = [state]
     calls = [0]
 
@@ -289,6 +314,7 @@ def row_settings(load: Load, cap: float | None, lighthouses: Mapping[str, str]) 
     builders: dict[str, Callable[..., Built]] = {
         PLAIN: plain_fsync,
         FT: ft_fsync,
+        FT_REPLICATED: ft_replicated,
         TORCHFT_DDP: torchft_ddp,
         DDP: ddp,
     }
@@ -582,10 +608,14 @@ def targets(results: Mapping[str, Any]) -> list[Target]:
         for key in keys:
             text = f"{key}: fsync.ft <= {OVERHEAD:.2f}x plain fsync, {label(rate)}"
             out.append(table.check(text, ratio(rate, key, FT, PLAIN), OVERHEAD))
+    against = f"{AGAINST_DDP:.2f}x torchft DDP, {label(AGAINST_DDP_RATE)}"
     for load, cap in itertools.product(loads(False), CAPS[AGAINST_DDP_RATE]):
         key = row_key(load, cap)
-        text = f"{key}: fsync.ft <= {AGAINST_DDP:.2f}x torchft DDP, {label(AGAINST_DDP_RATE)}"
-        out.append(table.check(text, ratio(AGAINST_DDP_RATE, key, FT, TORCHFT_DDP), AGAINST_DDP))
+        for name, what in ((FT, "fsync.ft"), (FT_REPLICATED, "fsync.ft replicated")):
+            text = f"{key}: {what} <= {against}"
+            out.append(
+                table.check(text, ratio(AGAINST_DDP_RATE, key, name, TORCHFT_DDP), AGAINST_DDP)
+            )
     bound = bound_s()
     recovered = results.get("unshaped", {}).get("recovery", {})
     for key in keys:
@@ -688,7 +718,11 @@ STEPS_NOTE = (
     "then `fsync.optim.adamw`. *fsync.ft, Replica.step*: the transaction of "
     "docs/fault-tolerance.md, `Replica.step` around `GradSync(group=replica.group)"
     ".grad_and_value` and `fsync.optim.adamw` (a quorum and a `should_commit` per step, "
-    "every bucket through `Manager.allreduce`). *torchft DDP + OptimizerWrapper*: "
+    "every bucket through `Manager.allreduce`). *fsync.ft, Replica.step, replicated "
+    "value_and_step*: the same transaction around `fsync.ops.replicated(fsync.optim.adamw, "
+    "group=replica.group).value_and_step`, which updates each bucket as its sum across "
+    "replicas arrives, while the buckets after it are still on the link (the state whole on "
+    "each replica, healed whole). *torchft DDP + OptimizerWrapper*: "
     "`torchft.ddp.DistributedDataParallel(manager, model)` and "
     "`torchft.optim.OptimizerWrapper(manager, torch.optim.AdamW(...))` on the same Manager "
     "settings (synchronous quorum; torchft's default starts the quorum asynchronously, "

@@ -22,11 +22,15 @@ def _row(**ms: list[float]) -> harness.Row:
     return {"rounds": ms, "memory": {}, "info": info, "unavailable": {}, "turns": []}
 
 
-def _steps(fsync_ft: list[float], plain: list[float], torchft_ddp: list[float]) -> harness.Row:
+def _steps(
+    fsync_ft: list[float],
+    plain: list[float],
+    torchft_ddp: list[float],
+    replicated: list[float] | None = None,
+) -> harness.Row:
     n = len(fsync_ft)
-    return _row(
-        **{ft.FT: fsync_ft, ft.PLAIN: plain, ft.TORCHFT_DDP: torchft_ddp, ft.DDP: [1.0] * n}
-    )
+    ms = {ft.FT: fsync_ft, ft.PLAIN: plain, ft.TORCHFT_DDP: torchft_ddp, ft.DDP: [1.0] * n}
+    return _row(**ms, **{ft.FT_REPLICATED: replicated or fsync_ft})
 
 
 def _recovered(survivor_s: float, restart_s: float, healed: bool = True) -> dict[str, Any]:
@@ -66,7 +70,7 @@ def test_smoke_run_writes_every_section_and_row(smoke_pages: pathlib.Path) -> No
     # Every timed torchft step committed (none failed where nothing failed).
     committed = [line.rsplit("|", 2)[1].strip() for line in lines if ": fsync.ft, " in line]
     committed += [line.rsplit("|", 2)[1].strip() for line in lines if ": torchft DDP" in line]
-    assert len(committed) == 4 and all(c.split("/")[0] == c.split("/")[1] for c in committed)
+    assert len(committed) == 6 and all(c.split("/")[0] == c.split("/")[1] for c in committed)
     # The recovery healed: the restarted replica's first committed step says so. (Whether
     # it met its target depends on how busy the machine is: not asserted here.)
     assert page.count("replica 1: first step committed (healed at step") == 2
@@ -94,7 +98,7 @@ def test_targets_read_the_right_figures() -> None:
             "steps": {
                 mlp: _steps([80, 80], [80, 80], [100, 100]),
                 gpt: _steps([95, 95], [100, 100], [100, 100]),
-                f"{mlp}, 4 MiB buckets": _steps([70, 70], [60, 60], [100, 100]),
+                f"{mlp}, 4 MiB buckets": _steps([70, 70], [60, 60], [100, 100], [95, 95]),
                 f"{gpt}, 4 MiB buckets": _steps([92, 92], [90, 90], [100, 100]),
             }
         },
@@ -108,6 +112,8 @@ def test_targets_read_the_right_figures() -> None:
     small = "{}, 4 MiB buckets: fsync.ft <= 0.90x torchft DDP, 8 Gbit/s"
     assert found[small.format(mlp)] == ("0.70x [0.70, 0.70]", True)
     assert found[small.format(gpt)][1] is False
+    replicated = f"{mlp}, 4 MiB buckets: fsync.ft replicated <= 0.90x torchft DDP, 8 Gbit/s"
+    assert found[replicated] == ("0.95x [0.95, 0.95]", False)
     # The overhead over plain fsync is judged at the libraries' default buckets only.
     assert not any("4 MiB buckets: fsync.ft <= 1.05x" in target for target in found)
     bound = ft.bound_s()
@@ -125,7 +131,8 @@ def test_targets_read_the_right_figures() -> None:
 
 def test_targets_of_rates_not_run_say_so() -> None:
     found = ft.targets({})
-    assert len(found) == 12  # 4 overheads, 4 against torchft DDP (2 caps), 4 recoveries
+    # 4 overheads, 8 against torchft DDP (2 caps, 2 fsync.ft steps), 4 recoveries
+    assert len(found) == 16
     assert all(measured == "not run" and met is None for _, measured, met in found)
 
 
