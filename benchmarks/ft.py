@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 import fsync
 import fsync.ft
-from benchmarks.constants import DOCS, LR, ROOT, TOOLS, label
+from benchmarks.constants import CAP_MB, DOCS, LR, ROOT, TOOLS, caps, label
 from benchmarks.models import Load, Workload
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ AGAINST_DDP, AGAINST_DDP_RATE = 0.90, "8gbit"  # fsync.ft's step <= 0.90x torchf
 # Bucket caps per rate (MiB; None: each library's default, 25 MiB for DDP and fsync alike).
 # Where the link waits, the rows run again with the slow-link page's 4 MiB: the last bucket
 # backward completes is the one nothing can hide, and at 25 MiB the MLP's is 24 of its 32 MB.
-CAPS: dict[str, tuple[float | None, ...]] = {"unshaped": (None,), "8gbit": (None, 4.0)}
+CAPS: dict[str, tuple[float | None, ...]] = {"unshaped": (None,), "8gbit": (None, CAP_MB)}
 
 # torchft's timeouts, as every Manager and lighthouse of this page has them.
 TIMEOUT_S = 10.0  # the Manager's: a collective, a commit, a heal (a hung peer costs this)
@@ -124,11 +124,6 @@ def row_key(load: Load, cap: float | None) -> str:
     return str(load) if cap is None else f"{load}, {cap:g} MiB buckets"
 
 
-def _caps(cap: float | None) -> dict[str, Any]:
-    """DDP's and fsync's keyword for buckets of ``cap`` MiB (``None``: their default)."""
-    return {} if cap is None else {"bucket_cap_mb": cap}
-
-
 def local(address: str) -> str:
     """A lighthouse's address (``http://HOSTNAME:PORT``) through ``localhost``: it binds
     every interface, and inside slownet's namespace only the loopback is up."""
@@ -159,7 +154,7 @@ def ft_training(
     produces them, in buckets of ``cap`` MiB, then ``fsync.optim.adamw``) and the state it
     starts from."""
     opt = fsync.optim.adamw(LR)
-    sync = fsync.GradSync(group=replica.group, **_caps(cap))
+    sync = fsync.GradSync(group=replica.group, **caps(cap))
     grad_fn = sync.grad_and_value(loss)
 
     def train(state: State, batch: tuple[torch.Tensor, ...]) -> tuple[State, torch.Tensor]:
@@ -189,7 +184,7 @@ def plain_fsync(load: Load, cap: float | None) -> Built:
     work = load.build()
     batch = work.batch(dist.get_rank())
     opt = fsync.optim.adamw(LR)
-    grad_fn = fsync.grad_and_value(work.functional_loss, **_caps(cap))
+    grad_fn = fsync.grad_and_value(work.functional_loss, **caps(cap))
 
     def train(params: dict[str, torch.Tensor], state: Any) -> Any:
         grads, _ = grad_fn(params, batch)
@@ -214,7 +209,7 @@ def ft_replicated(load: Load, cap: float | None, lighthouse: str) -> Built:
     work = load.build()
     rank = dist.get_rank()
     replica = connect(lighthouse, f"replica_{rank}")
-    step = fsync.ops.replicated(fsync.optim.adamw(LR), group=replica.group, **_caps(cap))
+    step = fsync.ops.replicated(fsync.optim.adamw(LR), group=replica.group, **caps(cap))
     call = step.value_and_step(work.functional_loss)
 
     def train(state: tuple[Any, Any], batch: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
@@ -260,7 +255,7 @@ def torchft_ddp(load: Load, cap: float | None, lighthouse: str) -> Built:
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
         quorum_timeout=datetime.timedelta(seconds=QUORUM_TIMEOUT_S),
     )
-    model = DistributedDataParallel(manager, work.model, **_caps(cap))
+    model = DistributedDataParallel(manager, work.model, **caps(cap))
     optimizer = OptimizerWrapper(manager, torch.optim.AdamW(model.parameters(), lr=LR))
 
     def save() -> dict[str, Any]:
@@ -290,7 +285,7 @@ def ddp(load: Load, cap: float | None) -> Built:
 
     work = load.build()
     batch = work.batch(dist.get_rank())
-    model = DistributedDataParallel(work.model, **_caps(cap))
+    model = DistributedDataParallel(work.model, **caps(cap))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step() -> None:
@@ -307,8 +302,8 @@ def _commits(manager: Any, calls: int) -> dict[str, Any]:
 
 
 def row_settings(load: Load, cap: float | None, lighthouses: Mapping[str, str]) -> list[Setting]:
-    """The four steps of a row, in buckets of ``cap`` MiB; ``lighthouses``: each torchft
-    setting's address."""
+    """The steps of a row (:data:`SETTINGS`), in buckets of ``cap`` MiB; ``lighthouses``:
+    each torchft setting's address."""
     from benchmarks.steps import setting
 
     builders: dict[str, Callable[..., Built]] = {

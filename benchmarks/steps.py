@@ -20,11 +20,10 @@ from torch._inductor.utils import run_and_get_code
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
-from benchmarks.constants import LR
+from benchmarks.constants import LR, caps
 from benchmarks.harness import Built, Setting
 from benchmarks.models import Load
 from fsync import _agree
-from fsync._options import OptionKeywords
 
 FLAT = "flat all-reduce (floor)"
 PURE_MEAN = "scaled copy + flat all-reduce (pure mean)"
@@ -44,11 +43,6 @@ class Held:
 
     def __call__(self) -> None:
         self.params, self.state = self.fn(self.params, self.state)
-
-
-def _caps(cap: float | None) -> OptionKeywords:
-    """fsync's options for buckets of ``cap`` MiB (``None``: fsync's default)."""
-    return {} if cap is None else {"bucket_cap_mb": cap}
 
 
 def module(load: Load, *, ddp: bool, compiled: bool = False, cap: float | None = None) -> Built:
@@ -88,7 +82,7 @@ def functional(
     work = load.build()
     batch = work.batch(dist.get_rank())
     optimizer = fsync.optim.sgd(LR)
-    synced = fsync.grad_and_value(work.functional_loss, **_caps(cap))
+    synced = fsync.grad_and_value(work.functional_loss, **caps(cap))
 
     def train(params: dict[str, torch.Tensor], state: Any) -> Any:
         if sync == "grad_and_value":
@@ -96,7 +90,7 @@ def functional(
         else:
             grads, _ = torch.func.grad_and_value(work.functional_loss)(params, batch)
             if sync == "sync_grads":
-                grads = fsync.sync_grads(grads, **_caps(cap))
+                grads = fsync.sync_grads(grads, **caps(cap))
         return optimizer.update(params, grads, state)
 
     params = work.params()
@@ -135,9 +129,9 @@ def sync_alone(load: Load, how: str, cap: float | None = None) -> Built:
         # The least a mean that leaves its input alone can do: one scaled copy, then the
         # all-reduce (fsync's compiled sync is this plus the packing, fused into the copy).
         PURE_MEAN: lambda: dist.all_reduce(flat.mul(1 / dist.get_world_size())),
-        "sync_grads eager": lambda: fsync.sync_grads(grads, **_caps(cap)),
+        "sync_grads eager": lambda: fsync.sync_grads(grads, **caps(cap)),
     }
-    sync: Callable[[Any], Any] = lambda g: fsync.sync_grads(g, **_caps(cap))  # noqa: E731
+    sync: Callable[[Any], Any] = lambda g: fsync.sync_grads(g, **caps(cap))  # noqa: E731
     compiled = {  # plain torch.compile, then fsync.compile's two additions one at a time
         "sync_grads torch.compile": torch.compile(sync, fullgraph=True),
         "sync_grads fsync.compile, overlap off": fsync.compile(sync, overlap=False),
