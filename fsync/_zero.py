@@ -145,6 +145,7 @@ class ZeroStep:
 
     def __post_init__(self) -> None:
         _checks.check_optimizer(self.optimizer)
+        _check_update_in_backward(self.update_in_backward)
         self.shard_buckets = bool(self.shard_buckets)
         self.hook = hook_of(self.options)
 
@@ -385,8 +386,9 @@ class _Overlapped:
         gather_over: _comm.Group,
         in_backward: bool,
     ) -> None:
-        self._make = functools.partial(ZeroPipeline, layout, optimizer, params, opt_state, hook)
-        self._gather_over = gather_over
+        self._make = functools.partial(
+            ZeroPipeline, layout, optimizer, params, opt_state, hook, gather_over=gather_over
+        )
         self._in_backward = in_backward
         self._plan, self._hook_state, self._group = plan, hook_state, group
         self._agreement, self._scatter = agreement, layout.shard_buckets
@@ -396,7 +398,7 @@ class _Overlapped:
         if self._pipeline is None:  # the first bucket waits for the ranks' agreement
             divisor = self._agreement.conclude().divisor
             ctx = context(self._plan, self._group, divisor, scatter=self._scatter)
-            self._pipeline = self._make(self._hook_state, ctx, self._gather_over)
+            self._pipeline = self._make(self._hook_state, ctx)
         return self._pipeline
 
     def start(self, k: int, buffer: torch.Tensor) -> None:
@@ -482,9 +484,7 @@ def zero(
         >>> params["b"]
         tensor([-0.5000, -0.5000])
     """
-    options = _step_options(
-        "fsync.ops.zero", hook, group, bucket_cap_mb, first_bucket_mb, update_in_backward
-    )
+    options = _options("fsync.ops.zero", hook, group, bucket_cap_mb, first_bucket_mb)
     return ZeroStep(
         optimizer,
         options=options,
@@ -549,9 +549,7 @@ def replicated(
         >>> params["w"], loss
         (tensor([0.5000, 0.5000]), tensor(2.))
     """
-    options = _step_options(
-        "fsync.ops.replicated", hook, group, bucket_cap_mb, first_bucket_mb, update_in_backward
-    )
+    options = _options("fsync.ops.replicated", hook, group, bucket_cap_mb, first_bucket_mb)
     # Every rank owns every bucket whole: a world of one, this rank, that gathers nothing.
     return ZeroStep(
         optimizer,
@@ -563,26 +561,27 @@ def replicated(
     )
 
 
-def _step_options(
+def _options(
     where: str,
     hook: Hook | None,
     group: _comm.Group,
     bucket_cap_mb: float | None,
     first_bucket_mb: float,
-    update_in_backward: bool | None,
 ) -> SyncOptions:
-    """The sync options of a step built by ``where``; ``update_in_backward`` checked."""
+    """The sync options of a step built by ``where`` (checked there)."""
     given = OptionKeywords(hook=hook, first_bucket_mb=first_bucket_mb)
     if bucket_cap_mb is not None:  # else the default for the group (SyncOptions.of)
         given["bucket_cap_mb"] = bucket_cap_mb
     mesh = _comm.hierarchy(group) is not None
-    options = SyncOptions.of(given, where=where, mesh=mesh)
+    return SyncOptions.of(given, where=where, mesh=mesh)
+
+
+def _check_update_in_backward(update_in_backward: Any) -> None:
     if update_in_backward is not None and not isinstance(update_in_backward, bool):
         raise TypeError(
             f"update_in_backward is {update_in_backward!r}; expected True, False or None "
             "(None: during backward on an accelerator, after it on the CPU)."
         )
-    return options
 
 
 def zero_state_dict(state: ZeroState, step: ZeroStep, /, *, to: int = 0) -> Any:
