@@ -92,6 +92,26 @@ def _assert_bitwise(ours, expected, what):
             assert x == y, (what, i)
 
 
+def _assert_elementwise(ours, expected, name, steps, what):
+    """Equal bit for bit, but for bfloat16 under SGD: torch's CPU kernel for a bfloat16
+    ``add(x, y, alpha=a)`` (SGD's ``p - lr * g``, its momentum and weight decay) fuses the
+    multiply-add in its vectorised loop and rounds ``a * y`` first in its scalar tail, so an
+    element's bits depend on where it falls in its tensor (float32/64 and Adam's kernels do
+    not), and a flat shard or bucket and the parameter cut from it may disagree by an ulp of
+    the parameter's scale per such add and step: two per step (the parameter and the
+    momentum buffer)."""
+    a, b = _tree.flatten(ours)[0], _tree.flatten(expected)[0]
+    assert len(a) == len(b), what
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if not isinstance(x, torch.Tensor):
+            assert x == y, (what, i)
+        elif x.dtype == torch.bfloat16 and name == "sgd":
+            ulp = torch.finfo(torch.bfloat16).eps * y.abs().max().float()
+            assert (x.float() - y.float()).abs().max() <= 2 * steps * ulp, (what, i)
+        else:
+            assert x.dtype == y.dtype and torch.equal(x, y), (what, i)
+
+
 def _on_rank_parity(shard_buckets):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = ref_model()
@@ -310,23 +330,11 @@ def _on_rank_mixed_dtypes(shard_buckets):
             # the overlapped call is the step after backward.
             _assert_bitwise((overlapped, o_state), (params, state), f"{name} step {s}")
         # The sum of rank 0's gradients and zeros is exact, and the optimizer's
-        # operations are elementwise: sharding changes nothing, whatever the dtype,
-        # with one exception. torch's CPU kernel for a bfloat16 add(x, y, alpha=a) (SGD's
-        # p - lr * g, its momentum and weight decay) fuses the multiply-add in its
-        # vectorised loop but rounds a * y first in its scalar tail, so an element's bits
-        # depend on where it falls in the tensor (1 ulp; float32/64 and Adam's kernels do
-        # not): a flat shard and the parameter it was cut from disagree by up to an ulp
-        # of the parameter's scale per operation and step. Two such adds per step (p and
-        # the momentum buffer), four steps.
+        # operations are elementwise: sharding changes nothing, whatever the dtype, but
+        # for bfloat16 under SGD (_assert_elementwise), four steps.
         assert params["e"] is None and params["d"].is_contiguous(memory_format=torch.channels_last)
-        for k in dtypes:
-            assert params[k].dtype == dtypes[k]
-            if dtypes[k] == torch.bfloat16 and name == "sgd":
-                ulp = torch.finfo(torch.bfloat16).eps * expected[k].abs().max().float()
-                diff = (params[k].float() - expected[k].float()).abs().max()
-                assert diff <= 2 * 4 * ulp, (k, diff / ulp)
-            else:
-                assert torch.equal(params[k], expected[k]), (k, name)
+        assert all(params[k].dtype == dtypes[k] for k in dtypes)
+        _assert_elementwise(params, expected, name, 4, f"{name}: parameters")
 
 
 @pytest.mark.parametrize("world", [3], indirect=True)
@@ -342,24 +350,6 @@ _OPTIMIZERS = {
     "adam": lambda: fsync.optim.adam(0.1, weight_decay=0.01),
     "adamw": lambda: fsync.optim.adamw(0.1, weight_decay=0.1),
 }
-
-
-def _assert_elementwise(ours, expected, name, steps, what):
-    """Equal bit for bit, but for bfloat16 under SGD: torch's CPU kernel for a bfloat16
-    ``add(x, y, alpha=a)`` fuses the multiply-add in its vectorised loop and rounds ``a * y``
-    first in its scalar tail, so an element's bits depend on where it falls in its tensor,
-    and a flat bucket and the parameter cut from it may disagree by an ulp of the scale per
-    such add: two per step (the parameter and the momentum buffer)."""
-    a, b = _tree.flatten(ours)[0], _tree.flatten(expected)[0]
-    assert len(a) == len(b), what
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        if not isinstance(x, torch.Tensor):
-            assert x == y, (what, i)
-        elif x.dtype == torch.bfloat16 and name == "sgd":
-            ulp = torch.finfo(torch.bfloat16).eps * y.abs().max().float()
-            assert (x.float() - y.float()).abs().max() <= 2 * steps * ulp, (what, i)
-        else:
-            assert x.dtype == y.dtype and torch.equal(x, y), (what, i)
 
 
 def _on_rank_replicated():
