@@ -544,10 +544,11 @@ def replicated(
         >>> import torch, fsync
         >>> step = fsync.ops.replicated(fsync.optim.sgd(0.5))
         >>> state = step.init({"w": torch.ones(2)})
-        >>> call = step.value_and_step(lambda p, x: (p["w"] * x).sum())
-        >>> (params, loss), state = call(state, {"w": torch.ones(2)}, torch.ones(2))
-        >>> params["w"], loss
-        (tensor([0.5000, 0.5000]), tensor(2.))
+        >>> step.shard_group, step.layout(state).world_size  # nothing split
+        (ALONE (this rank by itself), 1)
+        >>> params, state = step({"w": torch.ones(2)}, {"w": torch.ones(2)}, state)
+        >>> params["w"]
+        tensor([0.5000, 0.5000])
     """
     options = _options("fsync.ops.replicated", hook, group, bucket_cap_mb, first_bucket_mb)
     # Every rank owns every bucket whole: a world of one, this rank, that gathers nothing.
