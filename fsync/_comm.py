@@ -20,6 +20,7 @@ releases. May import: torch and ``_trace`` (layer 1, above ``_trace`` alone).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import pickle
@@ -123,11 +124,26 @@ class ReplicaGroup:
     collective is issued through the runtime, which learns of a failure itself, and
     returns a ``Pending`` whose wait raises ``RuntimeError`` when the collective (or
     an earlier one of the step) failed, so that fsync raises ``CollectiveError``
-    and the step is discarded. ``size`` is the number of replicas in this step's
+    and the step is discarded; ``all_reduce`` returns that result as a tensor that waits
+    on first use, so that several buckets are on the wire at once, as over a c10d
+    group, unless ``waits_at_once`` (see there). ``size`` is the number of replicas in this step's
     quorum, the divisor of a mean. Eager only: under ``torch.compile`` it raises
     ``REPLICAS_UNDER_COMPILE``. No store is read to name a failure (``named``): the
     runtime decides what a failure means.
     """
+
+    waits_at_once = False
+    """Whether ``all_reduce`` waits for each collective as it issues it. The replicas'
+    level of a two-level group does: there each rank's crossing is followed by
+    collectives within its replica group, and a failure across must stop every rank of
+    the group at the same collective (the one that failed on some of them and was left
+    unanswered on the others), or a rank would wait within for one that left the step."""
+
+    @property
+    def unsettled(self) -> list[torch.Tensor]:
+        """Results of ``all_reduce`` returned in flight and not yet ``settle``d."""
+        found: list[torch.Tensor] = self.__dict__.setdefault("_unsettled", [])
+        return found
 
     def size(self) -> int:
         """The number of replicas taking part in this step."""
@@ -378,8 +394,13 @@ def all_reduce(
     if local is not None:
         return local
     replicas = _replicas(group)
-    if replicas is not None:  # waited for at once: a failure raises where it is issued
-        return wait(replicas.all_reduce(x if inplace else x.clone(), op))
+    if replicas is not None:
+        pending = replicas.all_reduce(x if inplace else x.clone(), op)
+        if replicas.waits_at_once:
+            return wait(pending)
+        in_flight = _waits_on_first_use(pending)
+        replicas.unsettled.append(in_flight)
+        return in_flight
     if inplace and not torch.compiler.is_compiling():
         name = funcol._resolve_group_name(_funcol_group(group))
         in_place: torch.Tensor = funcol._maybe_wrap_tensor(
@@ -572,11 +593,50 @@ def wait(x: Issued, stage: str | Callable[[], str] = "") -> torch.Tensor:
     if isinstance(x, Pending):
         for work in x.works:
             _wait_work(work, stage)
-        return x.tensor
+        x = x.tensor  # itself in flight where one level of a two-level group issued it
     if not isinstance(x, funcol.AsyncCollectiveTensor):
         return x
     waited: torch.Tensor = _wait_work(x, stage)
     return waited
+
+
+class _Works(dist.Work):
+    """A ``Pending``'s works as one c10d ``Work``, waited for in order (a failure raises)."""
+
+    def __init__(self, works: tuple[Any, ...]) -> None:
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+
+def _waits_on_first_use(x: Pending) -> torch.Tensor:
+    """``x``'s tensor as a functional collective's result: it waits for ``x``'s works on
+    first use, or in ``wait`` (where a failure is a ``CollectiveError``), so that a
+    ``ReplicaGroup``'s collectives stay in flight as c10d's do, several at once."""
+    if not x.works:  # issued by a level below (a two-level group's), in flight as it is
+        return x.tensor
+    if isinstance(x.tensor, funcol.AsyncCollectiveTensor):
+        return wait(x)
+    torch._C._distributed_c10d._register_work(x.tensor, _Works(x.works))
+    # Made directly, eager only (a ReplicaGroup refuses tracing): funcol's wrapper asks
+    # whether it traces, which imports torch._dynamo on first call, a second that a
+    # restarted replica would add to its first step, with the survivors waiting on it.
+    in_flight: torch.Tensor = funcol.AsyncCollectiveTensor(x.tensor)
+    return in_flight
+
+
+def settle(group: ReplicaGroup) -> None:
+    """Every result ``group`` returned in flight waited for, a failure ignored: at the end
+    of a step, where one that failed left the buckets issued behind the failed one
+    unwaited (c10d would keep their works, and their buckets, until the process ends)."""
+    for result in group.unsettled:
+        with contextlib.suppress(CollectiveError):  # the step's failure, reported already
+            wait(result)
+    group.unsettled.clear()
 
 
 def _issue_broadcasts(

@@ -51,12 +51,16 @@ def torchft() -> Any:
 
 
 class _Checked:
-    """A ``Work`` whose ``wait`` raises when the Manager has seen a failure this step."""
+    """A ``Work`` whose ``wait`` raises when the Manager has seen a failure this step: at
+    once where it had before the wait (the step is lost; a bucket still in flight behind
+    the one that failed need not be waited for)."""
 
     def __init__(self, work: Any, manager: Any) -> None:
         self._work, self._manager = work, manager
 
     def wait(self) -> bool:
+        if (failed := self._manager.errored()) is not None:
+            raise RuntimeError(f"torchft's Manager reported a failure this step: {failed}")
         try:
             ok = self._work.wait()
         except RuntimeError as error:  # the process group's own collectives raise
@@ -79,6 +83,9 @@ class ManagerGroup(_comm.ReplicaGroup):
     Args:
         manager: A ``torchft.Manager`` (one per rank of a replica group).
         device: Where small control tensors live (the GPU with NCCL).
+        waits_at_once: Whether each collective is waited for as it is issued: for the
+            replicas' level of a ``ReplicaMesh`` (see ``_comm.ReplicaGroup``); else an
+            all-reduce stays in flight, several buckets on the wire at once.
 
     Attributes:
         manager: The ``torchft.Manager`` given.
@@ -87,8 +94,11 @@ class ManagerGroup(_comm.ReplicaGroup):
             reads whether its step issued any).
     """
 
-    def __init__(self, manager: Any, *, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, manager: Any, *, device: torch.device | str = "cpu", waits_at_once: bool = False
+    ) -> None:
         self.manager = manager
+        self.waits_at_once = waits_at_once
         self._device = torch.device(device)
         self.live = False
         self.issued = 0
@@ -196,10 +206,24 @@ class ReplicaMesh(_comm.ReplicaGroup):
     Args:
         within: This replica group's ranks (``dist.group.WORLD`` under a torchrun of its
             own).
-        across: The live replicas (``Replica``'s ``ManagerGroup``).
+        across: The live replicas (``Replica``'s ``ManagerGroup``), made with
+            ``waits_at_once=True``.
+
+    Raises:
+        ValueError: ``across`` leaves its collectives in flight.
     """
 
+    waits_at_once = True
+
     def __init__(self, within: Any, across: ManagerGroup) -> None:
+        if not across.waits_at_once:
+            raise ValueError(
+                f"ReplicaMesh's across group {across!r} leaves its collectives in flight; "
+                "expected one that waits for each as it issues it, so that a failure across "
+                "stops every rank of a replica group at the same collective. Make it with "
+                "ManagerGroup(manager, waits_at_once=True), or let fsync.ft.Replica(manager, "
+                "within=...) make both."
+            )
         self.within, self.across = within, across
 
     def __repr__(self) -> str:

@@ -109,7 +109,9 @@ class Replica:
         if getattr(manager, "_use_async_quorum", False):
             raise ValueError(_ASYNC_QUORUM)
         self.manager = manager
-        self._replicas = _torchft.ManagerGroup(manager, device=device)
+        self._replicas = _torchft.ManagerGroup(
+            manager, device=device, waits_at_once=within is not None
+        )
         self.group: _comm.ReplicaGroup = self._replicas
         if within is not None:
             self.group = _torchft.ReplicaMesh(within, self._replicas)
@@ -226,6 +228,7 @@ def _transact(
         result, error = (state, None), failure
     finally:
         replicas.live = False
+        _comm.settle(replicas)
     if not isinstance(result, tuple) or len(result) != 2:
         raise TypeError(_NOT_A_PAIR.format(got=type(result).__name__))
     new_state, value = result
