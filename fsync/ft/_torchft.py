@@ -92,6 +92,7 @@ class ManagerGroup(_comm.ReplicaGroup):
         live: Whether a step's quorum is on (set by [fsync.ft.Replica][]).
         issued: The collectives issued across replicas so far (a transaction
             reads whether its step issued any).
+        waits_at_once: As given.
     """
 
     def __init__(
@@ -214,6 +215,7 @@ class ReplicaMesh(_comm.ReplicaGroup):
     """
 
     waits_at_once = True
+    """Its own all-reduce waits for the crossing as it issues it, as ``across`` does."""
 
     def __init__(self, within: Any, across: ManagerGroup) -> None:
         if not across.waits_at_once:
