@@ -124,9 +124,10 @@ class ReplicaGroup:
     collective is issued through the runtime, which learns of a failure itself, and
     returns a ``Pending`` whose wait raises ``RuntimeError`` when the collective (or
     an earlier one of the step) failed, so that fsync raises ``CollectiveError``
-    and the step is discarded; ``all_reduce`` returns that result as a tensor that waits
-    on first use, so that several buckets are on the wire at once, as over a c10d
-    group, unless ``waits_at_once`` (see there). ``size`` is the number of replicas in this step's
+    and the step is discarded; ``all_reduce`` returns that result as a tensor that
+    waits on first use, so that several buckets are on the wire at once, as over a
+    c10d group (unless ``waits_at_once``), and ``settle`` waits for what a failed step
+    left in flight. ``size`` is the number of replicas in this step's
     quorum, the divisor of a mean. Eager only: under ``torch.compile`` it raises
     ``REPLICAS_UNDER_COMPILE``. No store is read to name a failure (``named``): the
     runtime decides what a failure means.
