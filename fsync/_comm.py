@@ -594,7 +594,7 @@ def wait(x: Issued, stage: str | Callable[[], str] = "") -> torch.Tensor:
     if isinstance(x, Pending):
         for work in x.works:
             _wait_work(work, stage)
-        x = x.tensor  # itself in flight where one level of a two-level group issued it
+        return x.tensor
     if not isinstance(x, funcol.AsyncCollectiveTensor):
         return x
     waited: torch.Tensor = _wait_work(x, stage)
@@ -618,10 +618,8 @@ def _waits_on_first_use(x: Pending) -> torch.Tensor:
     """``x``'s tensor as a functional collective's result: it waits for ``x``'s works on
     first use, or in ``wait`` (where a failure is a ``CollectiveError``), so that a
     ``ReplicaGroup``'s collectives stay in flight as c10d's do, several at once."""
-    if not x.works:  # issued by a level below (a two-level group's), in flight as it is
+    if not x.works:  # nothing of it left on the wire
         return x.tensor
-    if isinstance(x.tensor, funcol.AsyncCollectiveTensor):
-        return wait(x)
     torch._C._distributed_c10d._register_work(x.tensor, _Works(x.works))
     # Made directly, eager only (a ReplicaGroup refuses tracing): funcol's wrapper asks
     # whether it traces, which imports torch._dynamo on first call, a second that a

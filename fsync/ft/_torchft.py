@@ -59,13 +59,13 @@ class _Checked:
         self._work, self._manager = work, manager
 
     def wait(self) -> bool:
-        if (failed := self._manager.errored()) is not None:
-            raise RuntimeError(f"torchft's Manager reported a failure this step: {failed}")
-        try:
-            ok = self._work.wait()
-        except RuntimeError as error:  # the process group's own collectives raise
-            self._manager.report_error(error)
-            raise
+        ok = True
+        if self._manager.errored() is None:  # else the step is lost: nothing to wait for
+            try:
+                ok = self._work.wait()
+            except RuntimeError as error:  # the process group's own collectives raise
+                self._manager.report_error(error)
+                raise
         failed = self._manager.errored()
         if failed is not None or ok is False:
             raise RuntimeError(f"torchft's Manager reported a failure this step: {failed}")
