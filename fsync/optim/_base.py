@@ -13,6 +13,8 @@ tensor learning rate are 0-d float64 CPU tensors: torch's kernels treat such a
 tensor exactly as the Python float ``torch.optim`` passes (read in the
 operation's compute precision), so the arithmetic is the same without
 turning the step count into a Python number, which would recompile every step.
+Eagerly, where nothing recompiles, Adam reads its step size as that number and
+runs torch's own in-place kernels on the tensors its update made.
 """
 
 from __future__ import annotations
