@@ -86,6 +86,7 @@ def _adam(
         # torch.optim's in-place AdamW 28-29 ms). The step count is a CPU tensor.
         eager = not torch.compiler.is_compiling()
         step_size = neg_step_size.item() if eager else neg_step_size
+        shrinks = bool(weight_decay and decoupled)  # then p below is a product made here
         new_p, new_m, new_v = [], [], []
         for p, g, m, v in zip(p_leaves, g_leaves, m_leaves, v_leaves, strict=True):
             if p is None or g is None:
@@ -93,7 +94,7 @@ def _adam(
                 new_m.append(m)
                 new_v.append(v)
                 continue
-            if weight_decay and decoupled:
+            if shrinks:
                 p = torch.mul(p, decay)
             elif weight_decay:
                 g = add_scaled(g, p, weight_decay)
@@ -108,8 +109,7 @@ def _adam(
                 else torch.addcmul(v, g, g, value=1 - beta2)
             )
             denom = torch.sqrt(v).div_(bias_correction2_sqrt).add_(eps)
-            mine = bool(weight_decay and decoupled)  # p is the product made above
-            new_p.append(addcdiv(p, m, denom, step_size, inplace=mine))
+            new_p.append(addcdiv(p, m, denom, step_size, inplace=shrinks))
             del denom  # freed before the next parameter's is made
             new_m.append(m)
             new_v.append(v)

@@ -157,7 +157,7 @@ def addcdiv(
     ``torch.compile``, where reading it as a number would recompile every step) the same
     arithmetic is spelled out: computed in the kernel's compute precision (float32 for
     16-bit inputs), one rounding per operation, left to right, and a single rounding back
-    to ``x``'s dtype.
+    to ``x``'s dtype; that result has ``t1``'s memory layout.
     """
     if not isinstance(value, torch.Tensor):
         return x.addcdiv_(t1, t2, value=value) if inplace else torch.addcdiv(x, t1, t2, value=value)
