@@ -137,8 +137,9 @@ class ReplicaGroup:
     """Whether ``all_reduce`` waits for each collective as it issues it. The replicas'
     level of a two-level group does: there each rank's crossing is followed by
     collectives within its replica group, and a failure across must stop every rank of
-    the group at the same collective (the one that failed on some of them and was left
-    unanswered on the others), or a rank would wait within for one that left the step."""
+    the group at the same collective, or a rank would wait within for one that left the
+    step (``fsync.ft.ReplicaMesh`` also has the group's ranks agree on each crossing's
+    outcome: one can fail where another went through)."""
 
     @property
     def unsettled(self) -> list[torch.Tensor]:

@@ -9,6 +9,7 @@ The unit tests drive the transaction with a stand-in Manager.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import signal
@@ -549,6 +550,71 @@ class _Mirror(_comm.ReplicaGroup):
         return _comm.Pending(x, ())
 
 
+class _Broken:
+    """A crossing whose peer died: its wait fails."""
+
+    def wait(self):
+        raise RuntimeError("Connection reset by peer")
+
+
+class _FailsHere(_Mirror):
+    """A ``_Mirror`` whose ``fail_at``-th crossing fails on this rank alone: its peer across
+    died, while the peers of the other ranks of its replica group had answered theirs."""
+
+    def __init__(self, fail_at):
+        super().__init__()
+        self.fail_at = fail_at
+
+    def all_reduce(self, x, op):
+        done = super().all_reduce(x, op)
+        return _comm.Pending(x, (_Broken(),)) if len(self.sent) == self.fail_at else done
+
+
+def _on_rank_a_crossing_failed_on_one_rank(entry):
+    """A sync over a ReplicaMesh whose third crossing (a bucket's, after the agreement's)
+    fails on rank 1 alone: every rank leaves the step, and the group is still in step."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    mesh = fsync.ft.ReplicaMesh(dist.group.WORLD, _FailsHere(3) if rank == 1 else _Mirror())
+    params = {k: torch.randn(*s) for k, s in [("w", (33, 7)), ("v", (50,)), ("b", (5,))]}
+    small = {"bucket_cap_mb": 0.0001, "first_bucket_mb": 0.0001}
+
+    def loss(p):
+        return sum((x * x).sum() for x in p.values())
+
+    if entry == "sync_grads":
+        call, args = functools.partial(fsync.sync_grads, group=mesh, **small), (params,)
+    elif entry == "grad_and_value":
+        sync = fsync.GradSync(group=mesh, **small)
+        call, args = sync.grad_and_value(loss), (sync.init(params), params)
+    else:
+        zero = fsync.ops.zero(fsync.optim.sgd(0.1), group=mesh, **small)
+        call, args = zero.value_and_step(loss), (zero.init(params), params)
+    with pytest.raises(_comm.CollectiveError) as failure:
+        call(*args)
+    # Both ranks still meet over their group: neither waits in a collective within that the
+    # other left.
+    one = torch.ones(1)
+    dist.all_reduce(one)
+    assert one.item() == 2, rank
+    said = str(failure.value)
+    return "Connection reset by peer" in said, "1 other rank(s) of this replica group" in said
+
+
+@pytest.mark.parametrize("entry", ["sync_grads", "grad_and_value", "zero"])
+def test_a_crossing_that_fails_on_one_rank_of_a_replica_group_stops_all_of_them(entry):
+    # Rank r of a replica group crosses with rank r of the others: where a peer replica dies
+    # during a bucket, one rank's crossing can fail while another's went through (its peer had
+    # answered before it was stopped). Without the group's ranks agreeing on each crossing,
+    # the rank that went through waited within for the one that had left the step (seen once
+    # in test_replica_groups_of_two_ranks_survive_a_rank_killed_in_backward: a should_commit
+    # timed out, the replica group never finished its step; here each entry point hung).
+    said = get_world(2).run(_on_rank_a_crossing_failed_on_one_rank, entry, timeout=60)
+    # Rank 1 names its own failure; rank 0, whose crossing went through, learns it from rank 1.
+    assert said == [(False, True), (True, False)], said
+
+
 def _on_rank_replica_mesh():
     import torch.distributed as dist
 
@@ -556,7 +622,8 @@ def _on_rank_replica_mesh():
     across = _Mirror()
     mesh = fsync.ft.ReplicaMesh(dist.group.WORLD, across)
     assert (mesh.size(), mesh.rank()) == (4, rank)  # replica by replica, as a mesh's ranks
-    assert _comm.hierarchy(mesh) == (across, dist.group.WORLD)
+    crossing, within = _comm.hierarchy(mesh)  # across: each crossing agreed within
+    assert crossing.across is across and within is dist.group.WORLD
     g = torch.Generator().manual_seed(rank)
     grads = {
         k: torch.randn(*s, generator=g) for k, s in [("w", (33, 7)), ("v", (50,)), ("b", (5,))]

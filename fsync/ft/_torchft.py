@@ -227,6 +227,7 @@ class ReplicaMesh(_comm.ReplicaGroup):
                 "within=...) make both."
             )
         self.within, self.across = within, across
+        self._crossing = _InStep(across, within)
 
     def __repr__(self) -> str:
         return f"ReplicaMesh(within={self.within!r}, across={self.across!r})"
@@ -237,8 +238,9 @@ class ReplicaMesh(_comm.ReplicaGroup):
         return self.across.device
 
     def levels(self) -> tuple[_comm.Group, _comm.Group]:
-        """``(across, within)``: the replicas, then this replica group's ranks."""
-        return self.across, self.within
+        """``(across, within)``: the replicas (each crossing agreed within, see ``_InStep``),
+        then this replica group's ranks."""
+        return self._crossing, self.within
 
     def size(self) -> int:
         """Every rank of the quorum's replica groups; this group's ranks between steps."""
@@ -251,18 +253,90 @@ class ReplicaMesh(_comm.ReplicaGroup):
     def all_reduce(self, x: torch.Tensor, op: str) -> _comm.Pending:
         """``x`` reduced within this replica group, then across the replicas."""
         x = _comm.wait(_comm.all_reduce(x, op, self.within, inplace=True), _WITHIN)
-        return _pending(_comm.all_reduce(x, op, self.across, inplace=True))
+        return _pending(_comm.all_reduce(x, op, self._crossing, inplace=True))
 
     def all_gather(self, x: torch.Tensor) -> _comm.Pending:
         """Every rank's ``x`` along dim 0, replica by replica."""
         x = _comm.wait(_comm.all_gather(x, self.within), _WITHIN)
-        return _pending(_comm.all_gather(x, self.across))
+        return _pending(_comm.all_gather(x, self._crossing))
 
     def broadcast(self, x: torch.Tensor, src: int) -> _comm.Pending:
         """Rank ``src``'s ``x``: from its place in every replica group, then from its replica."""
         local = _comm.size(self.within)
         x = _comm.wait(_comm.broadcast(x, src % local, self.within), _WITHIN)
-        return _pending(_comm.broadcast(x, src // local, self.across))
+        return _pending(_comm.broadcast(x, src // local, self._crossing))
+
+
+_AGREEING = "the replica group's ranks agreeing on a crossing to the other replicas"
+_PEER_FAILED = (
+    "{n} other rank(s) of this replica group failed to cross to the other replicas in this "
+    "collective (their peer replica died or timed out), while this rank's crossing went "
+    "through: the step is lost on every rank of the group."
+)
+
+
+class _Failed:
+    """A crossing's ``Work`` that failed: its wait raises ``error``."""
+
+    def __init__(self, error: RuntimeError) -> None:
+        self._error = error
+
+    def wait(self) -> bool:
+        raise self._error
+
+
+class _InStep(_comm.ReplicaGroup):
+    """A ``ReplicaMesh``'s level across: each collective of ``across`` waited for as it is
+    issued, and whether it failed agreed by the replica group's ranks (one all-reduce
+    within, of a count of failures), so that all of them go on or all stop.
+
+    Rank ``r`` of a replica group crosses with rank ``r`` of the others: when a peer
+    replica dies during a bucket, one rank's crossing can fail while another's went
+    through (its peer had answered first). Stopping only the first would leave the
+    others waiting within for it, in the gather that follows, past ``should_commit``.
+    """
+
+    waits_at_once = True
+
+    def __init__(self, across: _comm.ReplicaGroup, within: Any) -> None:
+        self.across, self.within = across, within
+
+    def __repr__(self) -> str:
+        return f"_InStep({self.across!r}, within={self.within!r})"
+
+    @property
+    def device(self) -> torch.device:
+        return self.across.device
+
+    def size(self) -> int:
+        return self.across.size()
+
+    def rank(self) -> int:
+        return self.across.rank()
+
+    def all_reduce(self, x: torch.Tensor, op: str) -> _comm.Pending:
+        return self._agreed(self.across.all_reduce(x, op))
+
+    def all_gather(self, x: torch.Tensor) -> _comm.Pending:
+        return self._agreed(self.across.all_gather(x))
+
+    def broadcast(self, x: torch.Tensor, src: int) -> _comm.Pending:
+        return self._agreed(self.across.broadcast(x, src))
+
+    def _agreed(self, crossing: _comm.Pending) -> _comm.Pending:
+        """``crossing`` waited for, then its outcome on every rank of the replica group: done,
+        or a ``Pending`` whose wait raises (this rank's own failure, else its peers')."""
+        failure: RuntimeError | None = None
+        try:
+            for work in crossing.works:
+                work.wait()
+        except RuntimeError as error:
+            failure = error
+        count = torch.tensor([failure is not None], dtype=torch.int64, device=self.device)
+        failed = int(_comm.wait(_comm.all_reduce(count, "sum", self.within), _AGREEING))
+        if failure is None and failed:
+            failure = RuntimeError(_PEER_FAILED.format(n=failed))
+        return _comm.Pending(crossing.tensor, () if failure is None else (_Failed(failure),))
 
 
 def _pending(x: _comm.Issued) -> _comm.Pending:
