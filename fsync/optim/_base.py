@@ -14,7 +14,8 @@ tensor exactly as the Python float ``torch.optim`` passes (read in the
 operation's compute precision), so the arithmetic is the same without
 turning the step count into a Python number, which would recompile every step.
 Eagerly, where nothing recompiles, Adam reads its step size as that number and
-runs torch's own in-place kernels on the tensors its update made.
+runs torch's own in-place kernels on the tensors its update made, and SGD reads
+whether its update is the first (to start the momentum without ``torch.where``).
 """
 
 from __future__ import annotations
