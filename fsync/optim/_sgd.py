@@ -105,7 +105,8 @@ def sgd(
         # Eagerly the first update is read as a number: the buffer is then a copy of the
         # gradient, as torch's, and later ones skip the full pass of torch.where (traced,
         # reading it would specialise the graph on it and recompile on the second step).
-        first_eagerly = None if torch.compiler.is_compiling() else bool(first)
+        eager = not torch.compiler.is_compiling()
+        starts = eager and bool(first)
         # p - lr * g as torch's add(p, g, alpha=-lr): addcmul takes the factor as a
         # tensor and rounds the product into the sum the same way.
         neg_lr = -lr_value(lr)
@@ -118,11 +119,10 @@ def sgd(
             if weight_decay:
                 g = add_scaled(g, p, weight_decay)
             if momentum:
-                if first_eagerly:
+                if starts:
                     buf = g.clone()
                 else:
                     later = add_scaled(torch.mul(buf, momentum), g, 1 - dampening, inplace=True)
-                    eager = first_eagerly is not None
                     buf = later if eager else torch.where(first.to(g.device), g, later)
                 g = add_scaled(g, buf, momentum) if nesterov else buf
             if isinstance(neg_lr, torch.Tensor):
