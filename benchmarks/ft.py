@@ -713,7 +713,7 @@ STEPS_NOTE = (
     "then `fsync.optim.adamw`. *fsync.ft, Replica.step*: the transaction of "
     "docs/fault-tolerance.md, `Replica.step` around `GradSync(group=replica.group)"
     ".grad_and_value` and `fsync.optim.adamw` (a quorum and a `should_commit` per step, "
-    "every bucket through `Manager.allreduce`). *fsync.ft, Replica.step, replicated "
+    "every bucket on the Manager's process group). *fsync.ft, Replica.step, replicated "
     "value_and_step*: the same transaction around `fsync.ops.replicated(fsync.optim.adamw, "
     "group=replica.group).value_and_step`, which updates each bucket as its sum across "
     "replicas arrives, while the buckets after it are still on the link (the state whole on "

@@ -280,10 +280,17 @@ class _Manager:
     def __init__(self, *, fail_commit=False):
         self.errors, self.step, self.fail_commit, self.fns = [], 0, fail_commit, {}
         self._quorum_id, self.reduced = 1, []  # torchft's quorum id; what was all-reduced
+        self._pg = self  # the Manager's process group: fsync issues its collectives there
 
-    def allreduce(self, x, reduce_op):
-        self.reduced.append(x.clone())
+    def allreduce(self, tensors, options):
+        self.reduced.extend(x.clone() for x in tensors)
         return _Done()
+
+    def wait_quorum(self):
+        pass
+
+    def is_participating(self):
+        return True
 
     def register_state_dict_fn(self, key, load, save):
         self.fns[key] = (load, save)
@@ -440,7 +447,8 @@ class _InFlight(_TwoReplicas):
         super().__init__()
         self.log, self.fail_at = [], fail_at
 
-    def allreduce(self, x, reduce_op):
+    def allreduce(self, tensors, options):
+        (x,) = tensors
         k = sum(event == "issue" for event, _ in self.log)
         self.log.append(("issue", k))
         return _Arriving(x, self.log, k, fail=k == self.fail_at)
@@ -481,6 +489,23 @@ def test_the_replicas_buckets_are_on_the_wire_together_and_a_failure_names_its_b
     with pytest.raises(ValueError, match="waits_at_once=True"):
         fsync.ft.ReplicaMesh(None, fsync.ft.ManagerGroup(_Manager()))
     assert fsync.ft.ReplicaMesh(None, fsync.ft.ManagerGroup(_Manager(), waits_at_once=True))
+
+
+def test_a_spare_replica_adds_zeros_and_a_lost_step_issues_nothing_more():
+    manager = _TwoReplicas()
+    group = fsync.ft.ManagerGroup(manager)
+    group.live = True
+    manager.is_participating = lambda: False  # outside the quorum: torchft zeroes its part
+    assert group.all_reduce(torch.ones(3), "sum").works[0].wait()
+    assert torch.equal(manager.reduced[0], torch.zeros(3))
+    manager.is_participating = lambda: True
+    manager.report_error(RuntimeError("Connection reset by peer"))
+    lost = group.all_reduce(torch.ones(3), "sum")
+    assert len(manager.reduced) == 1  # nothing issued: the step is lost already
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        lost.works[0].wait()
+    with pytest.raises(ValueError, match="gloo has no average"):
+        group.all_reduce(torch.ones(3), "avg")
 
 
 def test_between_steps_the_replica_group_is_this_replica_alone():
