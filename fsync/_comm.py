@@ -139,7 +139,8 @@ class ReplicaGroup:
     collectives within its replica group, and a failure across must stop every rank of
     the group at the same collective, or a rank would wait within for one that left the
     step (``fsync.ft.ReplicaMesh`` also has the group's ranks agree on each crossing's
-    outcome: one can fail where another went through)."""
+    outcome: one can fail where another went through). A failure is still raised where
+    the caller waits for the result, which names the stage (the bucket) it broke."""
 
     @property
     def unsettled(self) -> list[torch.Tensor]:
@@ -399,7 +400,7 @@ def all_reduce(
     if replicas is not None:
         pending = replicas.all_reduce(x if inplace else x.clone(), op)
         if replicas.waits_at_once:
-            return wait(pending)
+            return _waited(pending, replicas)
         in_flight = _waits_on_first_use(pending)
         replicas.unsettled.append(in_flight)
         return in_flight
@@ -539,7 +540,7 @@ def broadcast(x: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     received: torch.Tensor | None = _local("broadcast", x, group)
     replicas = _replicas(group)
     if received is None and replicas is not None:
-        return wait(replicas.broadcast(x.clone(), src))
+        return _waited(replicas.broadcast(x.clone(), src), replicas)
     return funcol.broadcast(x, src, _funcol_group(group)) if received is None else received
 
 
@@ -627,6 +628,29 @@ def _waits_on_first_use(x: Pending) -> torch.Tensor:
     # restarted replica would add to its first step, with the survivors waiting on it.
     in_flight: torch.Tensor = funcol.AsyncCollectiveTensor(x.tensor)
     return in_flight
+
+
+class Failed:
+    """A collective's ``Work`` that failed already: its wait raises ``error``."""
+
+    def __init__(self, error: RuntimeError) -> None:
+        self._error = error
+
+    def wait(self) -> bool:
+        raise self._error
+
+
+def _waited(x: Pending, group: ReplicaGroup) -> torch.Tensor:
+    """``x`` waited for as it is issued (a ``waits_at_once`` group); a failure is kept for
+    the caller's ``wait``, which names the stage (the bucket) it broke, as in flight."""
+    try:
+        for work in x.works:
+            work.wait()
+    except RuntimeError as error:
+        failed = _waits_on_first_use(Pending(x.tensor, (Failed(error),)))
+        group.unsettled.append(failed)
+        return failed
+    return x.tensor
 
 
 def settle(group: ReplicaGroup) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import re
 import signal
 from unittest import mock
 
@@ -623,8 +624,14 @@ def _on_rank_a_crossing_failed_on_one_rank(entry):
     one = torch.ones(1)
     dist.all_reduce(one)
     assert one.item() == 2, rank
+    # What the failed crossing left is the replicas' group's to settle, as the step does.
+    assert mesh.across.unsettled
+    _comm.settle(mesh.across)
+    assert not mesh.across.unsettled
+    assert torch._C._distributed_c10d._get_work_registry_size() == 0
     said = str(failure.value)
-    return "Connection reset by peer" in said, "1 other rank(s) of this replica group" in said
+    own, peers = "Connection reset by peer" in said, "1 other rank(s) of this replica group" in said
+    return own, peers, failure.value.stage
 
 
 @pytest.mark.parametrize("entry", ["sync_grads", "grad_and_value", "zero"])
@@ -637,7 +644,9 @@ def test_a_crossing_that_fails_on_one_rank_of_a_replica_group_stops_all_of_them(
     # timed out, the replica group never finished its step; here each entry point hung).
     said = get_world(2).run(_on_rank_a_crossing_failed_on_one_rank, entry, timeout=60)
     # Rank 1 names its own failure; rank 0, whose crossing went through, learns it from rank 1.
-    assert said == [(False, True), (True, False)], said
+    assert [s[:2] for s in said] == [(False, True), (True, False)], said
+    # Both name the bucket whose crossing failed, as a failure in flight does.
+    assert said[0][2] == said[1][2] and re.match(r"bucket \d of \d", said[0][2]), said
 
 
 def _on_rank_replica_mesh():

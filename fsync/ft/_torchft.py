@@ -253,6 +253,11 @@ class ReplicaMesh(_comm.ReplicaGroup):
         return f"ReplicaMesh(within={self.within!r}, across={self.across!r})"
 
     @property
+    def unsettled(self) -> list[torch.Tensor]:
+        """The replicas' group's: the step (``Replica.step``) settles that one."""
+        return self.across.unsettled
+
+    @property
     def device(self) -> torch.device:
         """Where fsync puts this group's small control tensors."""
         return self.across.device
@@ -295,16 +300,6 @@ _PEER_FAILED = (
 )
 
 
-class _Failed:
-    """A crossing's ``Work`` that failed: its wait raises ``error``."""
-
-    def __init__(self, error: RuntimeError) -> None:
-        self._error = error
-
-    def wait(self) -> bool:
-        raise self._error
-
-
 class _InStep(_comm.ReplicaGroup):
     """A ``ReplicaMesh``'s level across: each collective of ``across`` waited for as it is
     issued, and whether it failed agreed by the replica group's ranks (one all-reduce
@@ -323,6 +318,11 @@ class _InStep(_comm.ReplicaGroup):
 
     def __repr__(self) -> str:
         return f"_InStep({self.across!r}, within={self.within!r})"
+
+    @property
+    def unsettled(self) -> list[torch.Tensor]:
+        """The replicas' group's (what a failed crossing left for a wait): the step settles it."""
+        return self.across.unsettled
 
     @property
     def device(self) -> torch.device:
@@ -356,7 +356,7 @@ class _InStep(_comm.ReplicaGroup):
         failed = int(_comm.wait(_comm.all_reduce(count, "sum", self.within), _AGREEING))
         if failure is None and failed:
             failure = RuntimeError(_PEER_FAILED.format(n=failed))
-        return _comm.Pending(crossing.tensor, () if failure is None else (_Failed(failure),))
+        return _comm.Pending(crossing.tensor, () if failure is None else (_comm.Failed(failure),))
 
 
 def _pending(x: _comm.Issued) -> _comm.Pending:
