@@ -486,10 +486,11 @@ def test_the_replicas_buckets_are_on_the_wire_together_and_a_failure_names_its_b
     assert registry() == 1 and group.unsettled
     _comm.settle(group)
     assert registry() == 0 and not group.unsettled and ("wait", 3) not in failing.log
-    # A replica group of several ranks waits across at once (see _comm.ReplicaGroup).
-    with pytest.raises(ValueError, match="waits_at_once=True"):
-        fsync.ft.ReplicaMesh(None, fsync.ft.ManagerGroup(_Manager()))
-    assert fsync.ft.ReplicaMesh(None, fsync.ft.ManagerGroup(_Manager(), waits_at_once=True))
+    # Over a replica group of several ranks each crossing is waited for at once (and agreed
+    # within), whatever the replicas' group does alone.
+    mesh = fsync.ft.ReplicaMesh(None, fsync.ft.ManagerGroup(_Manager()))
+    crossing, _ = _comm.hierarchy(mesh)
+    assert mesh.waits_at_once and crossing.waits_at_once
 
 
 def test_a_spare_replica_adds_zeros_and_a_lost_step_issues_nothing_more():
@@ -552,8 +553,6 @@ def test_a_step_without_collectives_meets_its_peers_where_the_quorum_changed():
 class _Mirror(_comm.ReplicaGroup):
     """A second replica group that holds what this one holds: a sum across doubles, a gather
     repeats. Records the elements each collective sends across."""
-
-    waits_at_once = True  # what a ReplicaMesh's replicas level must do (nothing is in flight)
 
     def __init__(self):
         self.sent = []

@@ -84,23 +84,16 @@ class ManagerGroup(_comm.ReplicaGroup):
     Args:
         manager: A ``torchft.Manager`` (one per rank of a replica group).
         device: Where small control tensors live (the GPU with NCCL).
-        waits_at_once: Whether each collective is waited for as it is issued: for the
-            replicas' level of a ``ReplicaMesh`` (see ``_comm.ReplicaGroup``); else an
-            all-reduce stays in flight, several buckets on the wire at once.
 
     Attributes:
         manager: The ``torchft.Manager`` given.
         live: Whether a step's quorum is on (set by [fsync.ft.Replica][]).
         issued: The collectives issued across replicas so far (a transaction
             reads whether its step issued any).
-        waits_at_once: As given.
     """
 
-    def __init__(
-        self, manager: Any, *, device: torch.device | str = "cpu", waits_at_once: bool = False
-    ) -> None:
+    def __init__(self, manager: Any, *, device: torch.device | str = "cpu") -> None:
         self.manager = manager
-        self.waits_at_once = waits_at_once
         self._device = torch.device(device)
         self.live = False
         self.issued = 0
@@ -227,25 +220,15 @@ class ReplicaMesh(_comm.ReplicaGroup):
     Args:
         within: This replica group's ranks (``dist.group.WORLD`` under a torchrun of its
             own).
-        across: The live replicas (``Replica``'s ``ManagerGroup``), made with
-            ``waits_at_once=True``.
-
-    Raises:
-        ValueError: ``across`` leaves its collectives in flight.
+        across: The live replicas (``Replica``'s ``ManagerGroup``). Its crossings are
+            waited for as they are issued, and their outcome agreed within (``_InStep``),
+            whatever ``across`` does alone, where its all-reduces stay in flight.
     """
 
     waits_at_once = True
-    """Its own all-reduce waits for the crossing as it issues it, as ``across`` does."""
+    """Its own all-reduce waits for the crossing as it issues it (see ``_InStep``)."""
 
     def __init__(self, within: Any, across: ManagerGroup) -> None:
-        if not across.waits_at_once:
-            raise ValueError(
-                f"ReplicaMesh's across group {across!r} leaves its collectives in flight; "
-                "expected one that waits for each as it issues it, so that a failure across "
-                "stops every rank of a replica group at the same collective. Make it with "
-                "ManagerGroup(manager, waits_at_once=True), or let fsync.ft.Replica(manager, "
-                "within=...) make both."
-            )
         self.within, self.across = within, across
         self._crossing = _InStep(across, within)
 

@@ -109,9 +109,7 @@ class Replica:
         if getattr(manager, "_use_async_quorum", False):
             raise ValueError(_ASYNC_QUORUM)
         self.manager = manager
-        self._replicas = _torchft.ManagerGroup(
-            manager, device=device, waits_at_once=within is not None
-        )
+        self._replicas = _torchft.ManagerGroup(manager, device=device)
         self.group: _comm.ReplicaGroup = self._replicas
         if within is not None:
             self.group = _torchft.ReplicaMesh(within, self._replicas)
