@@ -10,8 +10,8 @@ count), after the Manager's quorum, and a failure of any of them is reported to
 the Manager; the wait then raises, so that fsync's sync stops at the first
 failed bucket with a ``CollectiveError`` and the step (``_transaction``) is
 discarded. (``Manager.allreduce`` does the same with a timer and callbacks
-around each collective, which cost more than the collective's own time on
-small buckets; see ``ManagerGroup.all_reduce``.)
+around each collective, a few tenths of a millisecond more each; see
+``ManagerGroup.all_reduce``.)
 
 A replica group of several ranks is two-level (``ReplicaMesh``): within it, its own
 c10d group; across, the ``ManagerGroup`` of each rank.
@@ -133,8 +133,8 @@ class ManagerGroup(_comm.ReplicaGroup):
         failure to the Manager, and a replica outside the quorum (a spare) contributes
         zeros. Measured on two gloo ranks of 2 cores (medians of 400 to 30 in a row), an
         all-reduce of one element took 0.56-0.61 ms through ``Manager.allreduce`` and
-        0.42-0.47 ms this way (0.25 on the process group bare), one of 4 MiB 3.7-3.8
-        against 3.2 ms.
+        0.42-0.47 ms this way (0.25 on the process group bare), one of 1 MiB 1.36-1.46
+        against 1.07-1.11 ms, one of 4 MiB 3.7-3.8 against 3.2 ms.
         """
         if op not in _REDUCE_OPS:
             raise ValueError(
