@@ -206,7 +206,27 @@ class ManagerGroup(_comm.ReplicaGroup):
 _WITHIN = "the replica group's own collective, within it"
 
 
-class ReplicaMesh(_comm.ReplicaGroup):
+class _OverReplicas(_comm.ReplicaGroup):
+    """A group made over the replicas' group ``across`` (``ReplicaMesh``, ``_InStep``): each
+    crossing waited for as it is issued, control tensors where ``across`` keeps them, and
+    what a failed crossing leaves for a wait ``across``'s to settle (``Replica.step``
+    settles its ``ManagerGroup``)."""
+
+    across: _comm.ReplicaGroup
+    waits_at_once = True
+
+    @property
+    def unsettled(self) -> list[torch.Tensor]:
+        """The replicas' group's: the step settles that one."""
+        return self.across.unsettled
+
+    @property
+    def device(self) -> torch.device:
+        """Where fsync puts this group's small control tensors (``across``'s place)."""
+        return self.across.device
+
+
+class ReplicaMesh(_OverReplicas):
     """Replica groups of several ranks and the live replicas, as one two-level fsync group.
 
     Its levels are a 2-D mesh's (``_comm.hierarchy``): ``within``, the ranks of this
@@ -225,25 +245,12 @@ class ReplicaMesh(_comm.ReplicaGroup):
             whatever ``across`` does alone, where its all-reduces stay in flight.
     """
 
-    waits_at_once = True
-    """Its own all-reduce waits for the crossing as it issues it (see ``_InStep``)."""
-
     def __init__(self, within: Any, across: ManagerGroup) -> None:
         self.within, self.across = within, across
         self._crossing = _InStep(across, within)
 
     def __repr__(self) -> str:
         return f"ReplicaMesh(within={self.within!r}, across={self.across!r})"
-
-    @property
-    def unsettled(self) -> list[torch.Tensor]:
-        """The replicas' group's: the step (``Replica.step``) settles that one."""
-        return self.across.unsettled
-
-    @property
-    def device(self) -> torch.device:
-        """Where fsync puts this group's small control tensors."""
-        return self.across.device
 
     def levels(self) -> tuple[_comm.Group, _comm.Group]:
         """``(across, within)``: the replicas (each crossing agreed within, see ``_InStep``),
@@ -283,7 +290,7 @@ _PEER_FAILED = (
 )
 
 
-class _InStep(_comm.ReplicaGroup):
+class _InStep(_OverReplicas):
     """A ``ReplicaMesh``'s level across: each collective of ``across`` waited for as it is
     issued, and whether it failed agreed by the replica group's ranks (one all-reduce
     within, of a count of failures), so that all of them go on or all stop.
@@ -294,22 +301,11 @@ class _InStep(_comm.ReplicaGroup):
     others waiting within for it, in the gather that follows, past ``should_commit``.
     """
 
-    waits_at_once = True
-
     def __init__(self, across: _comm.ReplicaGroup, within: Any) -> None:
         self.across, self.within = across, within
 
     def __repr__(self) -> str:
         return f"_InStep({self.across!r}, within={self.within!r})"
-
-    @property
-    def unsettled(self) -> list[torch.Tensor]:
-        """The replicas' group's (what a failed crossing left for a wait): the step settles it."""
-        return self.across.unsettled
-
-    @property
-    def device(self) -> torch.device:
-        return self.across.device
 
     def size(self) -> int:
         return self.across.size()
