@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -58,20 +59,61 @@ def bounded(command: list[str], timeout: float, what: str) -> str:
     """Runs ``command`` from the repository's root in a session of its own; returns its
     stdout, or fails with its output. A run past ``timeout`` is killed with every process
     it started (ranks, settings' worlds, replicas), not only the first."""
-    with subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as proc:
+    return Launched(command, timeout, what).result()
+
+
+class Launched:
+    """``command`` started now from the repository's root, in a session of its own, its
+    output in files (a pipe nobody reads would stop it once full); :meth:`result` waits
+    for it, at most until ``timeout`` from now (once)."""
+
+    def __init__(self, command: list[str], timeout: float, what: str) -> None:
+        self.what = what
+        self._deadline = time.monotonic() + timeout
+        self._timeout = timeout
+        # Closed by result() or close(): they outlive this call.
+        self._out = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self._err = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=environment(),
+            stdout=self._out,
+            stderr=self._err,
+            text=True,
+            start_new_session=True,
+        )
+
+    def result(self) -> str:
+        """The command's stdout once it exited with 0; else fails with its output. Past its
+        deadline it is killed with every process it started."""
         try:
-            out, err = proc.communicate(timeout=timeout)
+            self._proc.wait(timeout=max(self._deadline - time.monotonic(), 0.0))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            pytest.fail(f"{what} ran over {timeout} s:\n{out}\n{err[-4000:]}")
-    assert proc.returncode == 0, f"{what} failed:\n{out}\n{err[-4000:]}"
-    return out
+            self._kill()
+            out, err = self._output()
+            pytest.fail(f"{self.what} ran over {self._timeout} s:\n{out}\n{err[-4000:]}")
+        out, err = self._output()
+        assert self._proc.returncode == 0, f"{self.what} failed:\n{out}\n{err[-4000:]}"
+        return out
+
+    def close(self) -> None:
+        """Kills the command with every process it started if it is still running; its
+        output is dropped."""
+        self._kill()
+        self._out.close()
+        self._err.close()
+
+    def _kill(self) -> None:
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+
+    def _output(self) -> tuple[str, str]:
+        """What the command wrote to stdout and to stderr; the files are closed after."""
+        texts = []
+        for file in (self._out, self._err):
+            file.seek(0)
+            texts.append(file.read())
+            file.close()
+        return texts[0], texts[1]
