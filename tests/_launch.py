@@ -19,10 +19,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).parents[1]
 RUN_TIMEOUT = 150  # seconds for one torchrun; each test's own timeout is above its runs' total
-# The smoke run of the four benchmark pages (conftest's ``smoke_pages``) took 175-201 s on
+# The smoke run of the four benchmark pages (conftest's ``_pages_run``) took 175-201 s on
 # 2 cores with a warm inductor cache, 227 s cold (2026-11-28); the limit leaves room for a
-# cold cache on a machine loaded twice over. A page test's own limit is this plus its
-# checks (the run is set up in the first test that reads a page).
+# cold cache on a machine loaded twice over. It counts from the session's first test, where
+# the run starts (niced, beside the other tests); the tests that read a page run last and
+# wait for it until then, each within this plus its checks.
 PAGES_TIMEOUT_S = 600
 
 
@@ -68,7 +69,7 @@ class Launched:
     for it, at most until ``timeout`` from now (once)."""
 
     def __init__(self, command: list[str], timeout: float, what: str) -> None:
-        self.what = what
+        self._what = what
         self._deadline = time.monotonic() + timeout
         self._timeout = timeout
         # Closed by result() or close(): they outlive this call.
@@ -92,9 +93,9 @@ class Launched:
         except subprocess.TimeoutExpired:
             self._kill()
             out, err = self._output()
-            pytest.fail(f"{self.what} ran over {self._timeout} s:\n{out}\n{err[-4000:]}")
+            pytest.fail(f"{self._what} ran over {self._timeout} s:\n{out}\n{err[-4000:]}")
         out, err = self._output()
-        assert self._proc.returncode == 0, f"{self.what} failed:\n{out}\n{err[-4000:]}"
+        assert self._proc.returncode == 0, f"{self._what} failed:\n{out}\n{err[-4000:]}"
         return out
 
     def close(self) -> None:

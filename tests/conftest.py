@@ -53,13 +53,6 @@ _PAGE_CASES = {
 }
 
 
-_PAGES_NICE = 10
-
-
-def _pages(items: list[pytest.Item]) -> set[str]:
-    return {mark.args[0] for item in items for mark in item.iter_markers("page")}
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests that read a page run last (otherwise in their order): the pages' smoke run
     starts with the session and runs beside every other test, niced, on the cores they
@@ -76,7 +69,7 @@ def _pages_run(
     (``page(NAME)``), started with the first test: one interpreter and one forkserver for
     all of them (each page's own run started three interpreters before its first
     setting)."""
-    pages = _pages(request.session.items)
+    pages = {mark.args[0] for item in request.session.items for mark in item.iter_markers("page")}
     if not pages:
         yield None
         return
@@ -86,7 +79,7 @@ def _pages_run(
     # (ranks waiting on each other or on a timeout) rather than slowing the tests' ranks:
     # beside them at the same priority, the tests that ran meanwhile took 35-100 s longer
     # (warm: gloo ranks of two worlds on two cores wait for each other's turns), niced 25 s.
-    command = ["nice", "-n", str(_PAGES_NICE), sys.executable, "benchmarks/run.py", "--smoke"]
+    command = ["nice", "-n", "10", sys.executable, "benchmarks/run.py", "--smoke"]
     command += ["--leaves", "1,10", "--only", cases, "--out", str(out)]
     run = Launched(command, PAGES_TIMEOUT_S, "the pages' smoke run")
     try:
