@@ -7,7 +7,10 @@ from collections.abc import Callable
 
 import torch
 import torch._inductor.cpu_vec_isa
+import torch._inductor.fx_passes.joint_graph
+import torch._inductor.fx_passes.post_grad
 import torch.distributed as dist
+import torch.hub
 
 from benchmarks.harness import Built, UnavailableError
 
@@ -36,7 +39,17 @@ def broken() -> Callable[[], None]:
 
 
 def forked_knowing() -> Built:
-    """A step that does nothing; its info says whether this process started knowing the
-    vector instruction sets inductor may use (worked out in its server, not by itself)."""
-    known = torch._inductor.cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1
-    return Built(lambda: None, lambda: {"vector ISAs known": known})
+    """A step that does nothing; its info says what this process started knowing (worked out
+    in its server, not by itself): the vector instruction sets inductor may use, and the
+    graph passes' patterns (the joint graph's for no device and for the CPU, the post-grad
+    ones); and whether tqdm's monitor thread was stopped in the server before it forked (a
+    child thinks one runs, and starts none, where the server's was running)."""
+    known = {
+        "vector ISAs known": torch._inductor.cpu_vec_isa.valid_vec_isa_list,
+        "joint-graph patterns known": torch._inductor.fx_passes.joint_graph.lazy_init,
+        "post-grad patterns known": torch._inductor.fx_passes.post_grad.lazy_init,
+    }
+    info = {what: fn.cache_info().currsize for what, fn in known.items()}
+    monitor = getattr(torch.hub.tqdm, "monitor", None)
+    info["no tqdm monitor thought to run"] = monitor is None or not monitor.report()
+    return Built(lambda: None, lambda: info)
