@@ -22,7 +22,7 @@ Measured on a 2-core AMD EPYC (2026-11-28, nothing else running, three runs each
 one-line function's first compile in a process that had imported ``PRELOAD``'s other
 modules: 1.6-1.9 s; with both answers worked out before: 0.26-0.30 s. With an empty cache a
 small graph's first compile in a child took 0.93-1.24 s of CPU (the second 0.16-0.22 s);
-with the patterns and sympy's units loaded here as well 0.40-0.47 s (2026-11-29, three runs
+with the patterns and sympy's units loaded here as well 0.38-0.47 s (2026-11-29, six runs
 each): ~0.7 s of CPU saved by every process that compiles, of which a cold test suite forks
 dozens (its worlds' ranks, the benchmark pages' settings, 2 or 4 ranks each). None of this
 depends on the environment a child sets after the fork (its inductor cache directory: the probe's
