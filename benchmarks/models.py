@@ -91,15 +91,17 @@ def gpt(
     block_size: int = GPT_BLOCK,
     batch: int = 4,
     scale: float = 1.0,
+    n_head: int | None = None,
 ) -> Workload:
-    """A small GPT (about 21M parameters by default) on random tokens, ``batch`` sequences."""
+    """A small GPT (about 21M parameters by default) on random tokens, ``batch`` sequences
+    (``n_head``: one head per 64 of ``d_model`` unless given)."""
     torch.manual_seed(0)
     d_model = max(32, int(d_model * scale))
     config = GPTConfig(
         vocab_size=vocab_size,
         block_size=block_size,
         n_layer=n_layer,
-        n_head=max(1, d_model // 64),
+        n_head=n_head or max(1, d_model // 64),
         d_model=d_model,
     )
 
@@ -115,12 +117,18 @@ def gpt(
     return Workload("GPT", GPT(config), make_batch, criterion)
 
 
+HOST_BOUND = "host-bound GPT"
+
+
 class Load(NamedTuple):
     """A workload by name and batch per rank (the GPT's batch counts tokens, in sequences of
     ``GPT_BLOCK``): a small value that a page hands to the processes that build it.
 
     ``smoke`` builds tiny sizes that take every code path (the deep MLP: 3 layers; the GPT:
-    1 layer, narrow); the MLPs at 1/16 of their width.
+    1 layer, narrow); the MLPs at 1/16 of their width. The host-bound GPT is 12 blocks of
+    width 32 (2 heads) on one sequence of 8 tokens: 150 parameter leaves and almost no
+    arithmetic, the regime where the host's time is the step, as on a GPU (``batch`` is
+    ignored; smoke: 2 blocks).
     """
 
     name: str
@@ -136,8 +144,13 @@ class Load(NamedTuple):
             return mlp(batch=self.batch, scale=scale)
         if self.name == "deep MLP":
             return deep_mlp(batch=self.batch, scale=scale, **({"depth": 3} if self.smoke else {}))
+        if self.name == HOST_BOUND:
+            blocks = 2 if self.smoke else 12
+            return gpt(n_layer=blocks, d_model=32, vocab_size=64, block_size=8, batch=1, n_head=2)
         if self.name != "GPT":
-            raise ValueError(f"no workload {self.name!r}; expected MLP, deep MLP or GPT")
+            raise ValueError(
+                f"no workload {self.name!r}; expected MLP, deep MLP, GPT or {HOST_BOUND}"
+            )
         sequences = max(1, self.batch // GPT_BLOCK)
         if self.smoke:
             return gpt(n_layer=1, scale=1 / 8, vocab_size=256, batch=sequences)

@@ -31,13 +31,13 @@ import torch.distributed as dist
 from torch._inductor.utils import run_and_get_code
 
 import fsync
-from benchmarks import ft, harness, link, plot, steps, table, twonodes
+from benchmarks import ft, harness, link, plot, steps, table, twonodes, zero
 from benchmarks.constants import DOCS
 from benchmarks.harness import Built, Row, Setting
-from benchmarks.models import Load
+from benchmarks.models import HOST_BOUND, Load
 from benchmarks.steps import setting
 
-CASES = ("step", "sync", "leaves", "hooks", "anatomy", "link", "twonodes", "ft")
+CASES = ("step", "sync", "leaves", "hooks", "host", "anatomy", "link", "twonodes", "ft")
 CUDA_CASES = ("anatomy",)  # what runs on a GPU: the rest compares with DDP on CPU
 DDP_EAGER = "DDP eager"
 GRAD_AND_VALUE = "fsync eager, grad_and_value"
@@ -141,6 +141,34 @@ def step_settings(load: Load) -> list[Setting]:
         # A 1 ms collective, timed over 25 calls a step: a turn of two would mostly
         # measure how far apart the ranks leave the barrier before it.
         setting(AGREEMENT, steps.agreement, load=load, repeat=25),
+    ]
+
+
+# --- 5. host cost: each eager gradient call beside its DDP counterpart ----------------------
+
+# Each fsync call and the DDP setting it replaces; the floors are read against DDP's call.
+COUNTERPART = {
+    steps.MODULE_BACKWARD: steps.DDP_BACKWARD,
+    steps.TORCH_FUNC: steps.DDP_BACKWARD,
+    steps.FSYNC_CALL: steps.DDP_BACKWARD,
+    steps.FSYNC_POWERSGD: steps.DDP_POWERSGD,
+    zero.VALUE_AND_STEP: zero.REFERENCE,
+}
+HOST_WORLDS = (1, 2)
+# A host-bound call takes milliseconds: a turn of this many, so that one is not timed
+# mostly by how far apart the ranks leave the barrier before it.
+HOST_STEPS = 20
+
+
+def host_settings(load: Load) -> list[Setting]:
+    """The eager gradient calls on a step of many small leaves: the floors, DDP's three
+    ways (plain, PowerSGD, ZeroRedundancyOptimizer) and fsync's call for each."""
+    calls = [steps.MODULE_BACKWARD, steps.TORCH_FUNC, steps.DDP_BACKWARD, steps.FSYNC_CALL]
+    calls += [steps.DDP_POWERSGD, steps.FSYNC_POWERSGD]
+    return [
+        *(setting(how, steps.grad_call, load=load, how=how) for how in calls),
+        setting(zero.REFERENCE, zero.torch_zero, load=load, overlap=None),
+        setting(zero.VALUE_AND_STEP, zero.fsync_zero, load=load, how="value_and_step"),
     ]
 
 
@@ -278,6 +306,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if "step" in args.only:
             step_rows = step_loads(work, args.smoke)
             results["step"] = {load.name: turns(step_settings(load)) for load in step_rows}
+        if "host" in args.only:
+            host = host_settings(Load(HOST_BOUND, 1, smoke=args.smoke))
+            results["host"] = {
+                world: harness.turns(
+                    host,
+                    **(timing | {"steps": 1 if args.smoke else HOST_STEPS}),
+                    **(options | {"node": harness.Node(local=world)}),  # type: ignore[arg-type]
+                )
+                for world in HOST_WORLDS
+            }
         results |= {name: turns(make()) for name, make in sections.items() if name in args.only}
     results["leaves_bytes"] = total * 4
     results["gpu"] = _gpu_note(args)
@@ -318,6 +356,14 @@ def targets(results: dict[str, Any]) -> list[table.Target]:
             s = harness.ratio(row, AGREEMENT, name)
             text = f"{model}: the ranks' agreement < 1% of the {name} step"
             out.append((text, table.share(s, 2), s.median < 0.01))
+    for world, row in results.get("host", {}).items():
+        bound = 1.0 if world == 1 else 1.10
+        where = f"{HOST_BOUND}, world {world}"
+        s = harness.ratio(row, steps.FSYNC_CALL, steps.DDP_BACKWARD)
+        out.append(check(f"{where}: fsync.grad_and_value <= {bound:.2f} x DDP", s, bound))
+        for name in (steps.FSYNC_POWERSGD, zero.VALUE_AND_STEP):
+            s = harness.ratio(row, name, COUNTERPART[name])
+            out.append(check(f"{where}: {name} <= 1.15 x {COUNTERPART[name]}", s, 1.15))
     for mode in ("compiled", "eager") if "sync" in results else ():
         s = harness.ratio(results["sync"], f"sync_grads {mode}", FLAT)
         out.append(check(f"sync only ({mode}) <= 1.10 x flat all-reduce", s, 1.10))
@@ -388,6 +434,20 @@ def tables(results: dict[str, Any]) -> list[table.Table]:
         header = ["hook", "ms", "ms vs all-reduce", "MiB on wire", "vs all-reduce", "collectives"]
         rows = table.timings(results["hooks"], "allreduce", extra=sent)
         out.append(("4. Hooks on the GPT's gradients (eager GradSync)", header, rows))
+    if host := results.get("host"):
+        header = ["setting"]
+        for world in host:
+            header += [f"world {world}: ms", "vs its DDP counterpart"]
+        rows = []
+        for name in next(iter(host.values()))["rounds"]:
+            cells = [name]
+            for row in host.values():
+                base = COUNTERPART.get(name)
+                versus = table.spread(harness.ratio(row, name, base)) if base else ""
+                cells += [table.ms(harness.ms(row, name)), versus]
+            rows.append(cells)
+        title = f"5. Host cost: one eager call on the {HOST_BOUND} (150 leaves), ms"
+        out.append((title, header, rows))
     if "anatomy" in results:
         info = results["anatomy"]["info"][COMPILED_SYNC][0]
         nbytes = info["bytes"]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._inductor.utils import run_and_get_code
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
@@ -101,6 +102,44 @@ def functional(
     _, code = run_and_get_code(step)  # compiles: the first warm-up step, its code kept
     counts = overlapped_kernels(code[-1])
     return Built(step, lambda: {"collectives": counts[0], "overlapped": counts[1]})
+
+
+MODULE_BACKWARD = "module, loss.backward() (no sync)"
+TORCH_FUNC = "torch.func.grad_and_value (no sync)"
+DDP_BACKWARD = "DDP, loss.backward()"
+FSYNC_CALL = "fsync.grad_and_value"
+DDP_POWERSGD = "DDP + powerSGD_hook, loss.backward()"
+FSYNC_POWERSGD = "GradSync(hook=powersgd(1)).grad_and_value"
+# PowerSGD compresses from this step on in both (DDP's start_powerSGD_iter), rank 1.
+POWERSGD_FROM = 2
+
+
+def grad_call(load: Load, how: str) -> Built:
+    """One gradient call of ``load``, no optimizer: forward, backward and (but for the two
+    floors) the sync, as ``how`` names it (one of the names above)."""
+    work = load.build()
+    batch = work.batch(dist.get_rank())
+    if how in (MODULE_BACKWARD, DDP_BACKWARD, DDP_POWERSGD):
+        model = work.model if how == MODULE_BACKWARD else DDP(work.model)
+        if isinstance(model, DDP) and how == DDP_POWERSGD:
+            state = powerSGD.PowerSGDState(
+                None, matrix_approximation_rank=1, start_powerSGD_iter=POWERSGD_FROM
+            )
+            model.register_comm_hook(state, powerSGD.powerSGD_hook)
+
+        def backward() -> None:
+            model.zero_grad(set_to_none=True)
+            torch.autograd.backward(work.loss(model, batch))
+
+        return Built(backward)
+    params = work.params()
+    if how == FSYNC_POWERSGD:
+        sync = fsync.GradSync(hook=fsync.ops.powersgd(1, start_step=POWERSGD_FROM))
+        stateful = sync.grad_and_value(work.functional_loss)
+        return Built(Held(lambda p, s: (p, stateful(s, p, batch)[1]), params, sync.init(params)))
+    call = fsync.grad_and_value if how == FSYNC_CALL else torch.func.grad_and_value
+    stateless = call(work.functional_loss)
+    return Built(lambda: stateless(params, batch))
 
 
 def ceiling(load: Load) -> Callable[[], None]:

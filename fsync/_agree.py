@@ -51,8 +51,8 @@ import optree
 import torch
 
 from fsync import _checks, _comm, _tree
-from fsync._plan import BucketPlan
-from fsync._planner import PLAN_CACHE_SIZE, python_at_trace_time
+from fsync._plan import PLAN_CACHE_SIZE, BucketPlan
+from fsync._planner import python_at_trace_time
 
 _FIX = (
     "Every rank must pass the same tree (same structure, shapes, dtypes and layouts) with the "
@@ -211,7 +211,7 @@ def _verdict(summed: list[int], world_size: int) -> str | None:
 
 def issue(control: torch.Tensor, group: _comm.Group) -> torch.Tensor:
     """Puts the control all-reduce on the wire (eager); ``conclude`` waits for it."""
-    return _comm.all_reduce(control.clone(), "sum", group, control=True)
+    return _comm.all_reduce(control.clone(), "sum", group, inplace=True, control=True)
 
 
 def conclude(
@@ -257,7 +257,9 @@ def _concluded(
         _raise(problem, control, description, group)
     counts = used
     if find_unused or values[_NONES]:  # some rank lacks a gradient: count who has each leaf
-        counts = _comm.wait(_comm.all_reduce(used.clone(), "sum", group, control=True))
+        counts = _comm.wait(
+            _comm.all_reduce(used.clone(), "sum", group, inplace=True, control=True)
+        )
         if not find_unused:
             _check_fully_used(counts, used, int(values[_ACTIVE]), description, group)
     return summed, counts
@@ -636,11 +638,16 @@ def begin(plan: BucketPlan, has: Sequence[bool], group: _comm.Group, terms: Term
     """
     has = [terms.active and x for x in has]
     if _comm.size(group) == 1:
-        fingerprint_ = terms.state_fingerprint
-        if fingerprint_ is not None and int(fingerprint_) != plan.fingerprint:
-            raise ValueError(_OTHER_STATE.format(who="rank 0"))
+        check_alone(plan, terms.state_fingerprint)
         return Agreement(None, plan, has, terms.active)
     return Agreement(_check_of(plan, has, group, terms), plan, has, terms.active, terms.step)
+
+
+def check_alone(plan: BucketPlan, state_fingerprint: torch.Tensor | None) -> None:
+    """With one rank there is no one to disagree with, but a state for another plan is
+    still refused."""
+    if state_fingerprint is not None and int(state_fingerprint) != plan.fingerprint:
+        raise ValueError(_OTHER_STATE.format(who="rank 0"))
 
 
 def agree_on(

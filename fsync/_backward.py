@@ -6,22 +6,27 @@ starting a bucket's all-reduce from an autograd hook the moment the bucket's
 last gradient exists. Here the gradient call is fsync's own, and one call does
 the same with no state kept afterwards:
 
-1. the differentiated arguments' tensor leaves are detached and made to
-   require grad (as ``torch.func`` wraps them), ``fn`` runs (the forward pass),
-   and the ranks' agreement is issued (``_agree.begin``): only its control
-   all-reduce, which is on the wire during backward;
-2. one backward (``torch.autograd.grad`` over those leaves, nothing accumulated
-   anywhere else); a hook on each leaf copies its gradient into its bucket, in
-   the bucket's dtype and the leaf's memory order, and hands autograd the
-   bucket's slice in place of the gradient, so no second copy is kept;
+1. each dense bucket's leaves pass into ``fn`` through one autograd node of
+   the bucket (``_Filled``): views of them that require grad, as ``torch.func``
+   wraps its arguments; ``fn`` runs (the forward pass), and the ranks' agreement
+   is issued (``_agree.begin``): only its control all-reduce, which is on the
+   wire during backward;
+2. one backward (``torch.autograd.grad`` for a token all the nodes take, so
+   that nothing is accumulated anywhere); autograd runs a bucket's node once it
+   holds all of the bucket's gradients, and the node packs them into the
+   bucket's buffer in one batched copy, in the bucket's dtype and each leaf's
+   memory order (``_pack.pack_grads``): one Python call per bucket, not per leaf;
 3. a starter thread takes complete buckets in the plan's order (a complete
    bucket waits for those before it, as in DDP's Reducer): the first waits for
    the agreement, each then goes through a bucketwise hook on its own
    (``_reduce.start_bucket``), or, for any other hook, waits for the rest (on a
    2-D mesh its within-node reduce-scatter is issued already);
-4. after backward, a leaf that got no gradient (``fn`` does not use it) is
-   zeros, the buckets left are started, a hook that is not bucketwise runs on
-   all of them, the call waits and unpacks.
+4. after backward, a bucket that got no gradient (``fn`` uses none of its
+   leaves) is zeros, the buckets left are started, a hook that is not bucketwise
+   runs on all of them, the call waits and unpacks.
+
+With one rank and the default mean there is nothing to sync: ``plain_backward``
+is autograd's call alone, its gradients the result.
 
 Why a thread: a hook may wait for its own collective before it returns (a
 compressing hook casts the result back, ``quantize`` dequantises it); on
@@ -52,14 +57,12 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import optree
 import torch
 
-from fsync import _checks, _comm, _tree
+from fsync import _checks, _comm, _pack, _tree
 from fsync._agree import Agreed, Agreement, begin, refuse
-from fsync._hook import Hook, SyncContext, hook_spec
+from fsync._hook import Hook, SyncContext
 from fsync._options import SyncOptions
-from fsync._plan import BucketPlan, LeafLayout
-from fsync._planner import PLAN_CACHE_SIZE
+from fsync._plan import BucketPlan
 from fsync._reduce import (
-    DEFAULT_HOOK,
     Pipeline,
     Reduced,
     alone,
@@ -72,35 +75,6 @@ from fsync._reduce import (
     start_within,
     terms,
 )
-from fsync.ops._allreduce import allreduce
-
-
-class _Slot(NamedTuple):
-    """Where one leaf's gradient goes: its bucket, its place there and how it is laid out."""
-
-    bucket: int
-    offset: int
-    numel: int
-    layout: LeafLayout
-
-
-@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def _slots(plan: BucketPlan) -> tuple[_Slot | None, ...]:
-    """Per leaf of ``plan`` (flatten order), its ``_Slot``; ``None`` for a ``None`` leaf."""
-    slots: list[_Slot | None] = [None] * len(plan.leaves)
-    for k, spec in enumerate(plan.specs):
-        for i, offset, numel, layout in zip(
-            spec.leaves, spec.offsets, spec.sizes, spec.layouts, strict=True
-        ):
-            slots[i] = _Slot(k, offset, numel, layout)
-    return tuple(slots)
-
-
-def _in_bucket(buffer: torch.Tensor, slot: _Slot) -> torch.Tensor:
-    """The leaf's place in its bucket, viewed in the leaf's memory order (not its dim order)."""
-    piece = buffer.narrow(0, slot.offset, slot.numel)
-    return piece if slot.layout.view is None else piece.view(slot.layout.view)
-
 
 _Job = tuple[Callable[[], None], threading.Event]
 
@@ -150,80 +124,117 @@ def on_starter(job: Callable[[], None]) -> threading.Event:
     return done
 
 
-class Buckets:
-    """The buckets of one gradient call: filled by autograd's hooks, started in plan order.
+class _Filled(torch.autograd.Function):
+    """One bucket's leaves on their way into ``fn``: views of them that require grad.
 
-    ``receive`` is each leaf's autograd hook; ``run`` has a starter thread hand
-    complete buckets to ``start`` in the plan's order; ``close`` (after
-    backward) makes the leaves that got no gradient zeros and so completes every
-    bucket; ``join`` waits for the starter and raises what it raised.
+    Autograd runs the node's backward once, when it holds every gradient of the
+    bucket's leaves that backward will produce (DDP's "bucket ready"), and the
+    backward hands them to ``fill`` together. It returns no gradient for the leaves,
+    so autograd accumulates nothing anywhere: the call differentiates for a token
+    that every bucket's node takes, not for the leaves.
     """
 
-    def __init__(
-        self,
-        plan: BucketPlan,
-        start: Callable[[int, torch.Tensor], None],
-        scale: float | None = None,
-    ) -> None:
-        self._scale = scale
-        self.buffers = [
-            torch.empty(spec.numel, dtype=spec.dtype, device=spec.device) for spec in plan.specs
-        ]
-        self._slots = _slots(plan)
-        self._missing = [len(spec.leaves) for spec in plan.specs]
-        self._arrived = [slot is None for slot in self._slots]
+    @staticmethod
+    def forward(
+        ctx: Any, fill: Callable[[tuple[Any, ...]], None], token: torch.Tensor, *leaves: Any
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.fill = fill
+        ctx.set_materialize_grads(False)  # a leaf backward gives no gradient: None
+        return tuple(leaf.view_as(leaf) for leaf in leaves)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[None, ...]:
+        ctx.fill(grads)
+        return (None,) * (len(grads) + 2)
+
+
+class Buckets:
+    """The buckets of one gradient call: filled from autograd, started in plan order.
+
+    ``inputs`` gives ``fn`` the leaves through one autograd node per bucket
+    (``_Filled``), whose backward packs the bucket's gradients into its buffer in
+    one batched copy (``_pack.pack_grads``); ``run`` has a starter thread hand
+    complete buckets to ``start`` in the plan's order; ``close`` (after backward)
+    makes the buckets that got no gradient at all zeros; ``join`` waits for the
+    starter and raises what it raised.
+    """
+
+    def __init__(self, plan: BucketPlan) -> None:
+        self._plan = plan
+        self.buffers: list[torch.Tensor | None] = [None] * len(plan.specs)
+        # id of a bucket's node -> the bucket; the node lives as long as its views, which
+        # the caller holds until backward is over (holding the node here would make a
+        # cycle: the node's backward holds this object).
+        self._nodes: dict[int, int] = {}
         self._changed = threading.Condition()
         self._stopped = False
         self._error: BaseException | None = None
-        self._order = _DeviceOrder(plan)
-        self._start = start
+        self._issuing = _Issuing(plan)
         self._finished: threading.Event | None = None
 
-    def receive(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        """Leaf ``i``'s gradient into its bucket; what autograd keeps instead (a view of it)."""
-        slot = self._slots[i]
-        assert slot is not None
-        target = _in_bucket(self.buffers[slot.bucket], slot)
-        dense = grad.to_dense() if grad.layout != torch.strided else grad
-        source = dense if slot.layout.perm is None else dense.permute(slot.layout.perm)
-        if self._scale is None:
-            target.copy_(source)
-        else:
-            torch.mul(source, self._scale, out=target)
-        self._arrive([i])
-        if slot.layout.dtype is not None or grad.layout != torch.strided:
-            return grad
-        return target if slot.layout.inverse is None else target.permute(slot.layout.inverse)
+    def inputs(self, leaves: Sequence[torch.Tensor | None]) -> tuple[list[Any], torch.Tensor]:
+        """``leaves`` as ``fn`` receives them, and the token to differentiate for."""
+        device = self._plan.specs[0].device if self._plan.specs else torch.device("cpu")
+        token = torch.empty(0, device=device, requires_grad=True)
+        out = list(leaves)
+        for k, spec in enumerate(self._plan.specs):
+            views = _Filled.apply(  # type: ignore[no-untyped-call]
+                functools.partial(self._fill, k), token, *[leaves[i] for i in spec.leaves]
+            )
+            for i, view in zip(spec.leaves, views, strict=True):
+                out[i] = view
+            self._nodes[id(views[0].grad_fn)] = k
+        return out, token
 
-    def skip(self, indices: Sequence[int]) -> None:
-        """Leaves that will get no gradient: zeros in their buckets, which can start sooner."""
-        for i in indices:
-            slot = self._slots[i]
-            assert slot is not None
-            _in_bucket(self.buffers[slot.bucket], slot).zero_()
-        self._arrive(indices)
+    def reachable(self, output: torch.Tensor) -> list[bool]:
+        """Per tensor leaf (flatten order), whether ``output`` depends on it (DDP's test).
+
+        DDP with ``find_unused_parameters=True`` walks the graph from the outputs
+        after forward; a leaf it cannot reach gets no gradient on this rank. The walk
+        stops at the buckets' nodes: the edge into a node names the leaf it carries.
+        """
+        found: set[int] = set()
+        seen: set[Any] = set()
+        stack = [(output.grad_fn, 0)]
+        while stack:
+            node, position = stack.pop()
+            if node is None:
+                continue
+            k = self._nodes.get(id(node))
+            if k is not None:
+                found.add(self._plan.specs[k].leaves[position])
+                continue
+            if node in seen:
+                continue
+            seen.add(node)
+            stack.extend(node.next_functions)
+        return [i in found for i, leaf in enumerate(self._plan.leaves) if leaf is not None]
+
+    def _fill(self, k: int, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """Bucket ``k``'s gradients, all there is of them (on autograd's thread)."""
+        buffer = _pack.pack_grads(grads, self._plan.specs[k])
+        with self._changed:
+            self.buffers[k] = buffer
+            self._changed.notify_all()
+
+    def skip(self, unused: Sequence[bool]) -> None:
+        """Buckets of which no leaf will get a gradient (per tensor leaf, ``unused``):
+        zeros, which can start before backward."""
+        tensor_leaves = [i for i, leaf in enumerate(self._plan.leaves) if leaf is not None]
+        none = {i for i, u in zip(tensor_leaves, unused, strict=True) if u}
+        for k, spec in enumerate(self._plan.specs):
+            if none.issuperset(spec.leaves):
+                self._fill(k, (None,) * len(spec.leaves))
 
     def close(self) -> None:
-        """Backward is over: every leaf still missing is zeros, every bucket complete."""
-        with self._changed:
-            missing = [i for i, arrived in enumerate(self._arrived) if not arrived]
-        self.skip(missing)
+        """Backward is over: a bucket that got no gradient is zeros, every bucket complete."""
+        for k, spec in enumerate(self._plan.specs):
+            if self.buffers[k] is None:
+                self._fill(k, (None,) * len(spec.leaves))
 
-    def _arrive(self, indices: Sequence[int]) -> None:
-        with self._changed:
-            for i in indices:
-                slot = self._slots[i]
-                assert slot is not None and not self._arrived[i]
-                self._arrived[i] = True
-                self._missing[slot.bucket] -= 1
-                self._order.note(slot.bucket)
-                if self._missing[slot.bucket] == 0:
-                    self._order.record(slot.bucket)
-                    self._changed.notify_all()
-
-    def run(self) -> None:
-        """Has a starter thread start complete buckets from now on."""
-        self._finished = on_starter(self._start_in_order)
+    def run(self, start: Callable[[int, torch.Tensor], None]) -> None:
+        """Has a starter thread give complete buckets to ``start`` from now on."""
+        self._finished = on_starter(functools.partial(self._start_in_order, start))
 
     def stop(self) -> None:
         """No bucket is started from now on (the call failed)."""
@@ -239,66 +250,41 @@ class Buckets:
             raise self._error
 
     def _ready(self, k: int) -> bool:
-        return self._stopped or not self._missing[k]
+        return self._stopped or self.buffers[k] is not None
 
-    def _start_in_order(self) -> None:
+    def _start_in_order(self, start: Callable[[int, torch.Tensor], None]) -> None:
         try:
-            with self._order.stream():
-                for k, buffer in enumerate(self.buffers):
+            with self._issuing.stream():
+                for k in range(len(self.buffers)):
                     with self._changed:
                         self._changed.wait_for(functools.partial(self._ready, k))
                         if self._stopped:
                             return
-                    self._order.wait(k)
-                    self._start(k, buffer)
+                        buffer = self.buffers[k]
+                    assert buffer is not None
+                    start(k, buffer)
         except BaseException as error:  # handed to the caller's thread by join
             self._error = error
 
 
-class _DeviceOrder:
-    """On an accelerator, a bucket's collectives wait for the kernels that filled it.
+class _Issuing:
+    """On an accelerator, the stream a call's bucket collectives are issued on: the one
+    current when the call began.
 
-    Autograd fills buckets on its own streams (each gradient's copy runs on the stream
-    its forward ran on); the starting thread issues on the stream that was current when
-    the call began. A bucket's leaves may come from several streams (a forward that runs
-    branches on streams of their own): each stream that copied into the bucket gets an
-    event once the bucket is complete, and the issuing stream waits for all of them. On
-    the CPU there is nothing to order.
+    No event is needed to order a bucket's collective after the copy that filled it:
+    autograd runs a bucket's node on the stream its forward ran on, which is this one
+    (``inputs`` applies the nodes before ``fn`` runs), having made it wait for every
+    stream that produced one of its gradients; the node copies there, and the starting
+    thread issues there. On the CPU there is nothing to order.
     """
 
     def __init__(self, plan: BucketPlan) -> None:
         device = plan.specs[0].device if plan.specs else torch.device("cpu")
-        self._cuda = device.type == "cuda"
-        self._device = device
-        self._stream = torch.cuda.current_stream(device) if self._cuda else None
-        self._writers: dict[int, set[Any]] = {}
-        self._events: dict[int, list[Any]] = {}
-
-    def note(self, bucket: int) -> None:
-        """A leaf of ``bucket`` was just copied in, on the current stream."""
-        if self._cuda:
-            self._writers.setdefault(bucket, set()).add(torch.cuda.current_stream(self._device))
-
-    def record(self, bucket: int) -> None:
-        """``bucket`` is complete: an event on every stream that wrote into it."""
-        if self._cuda:
-            streams = self._writers.pop(bucket, set())
-            streams.add(torch.cuda.current_stream(self._device))
-            events = []
-            for stream in streams:
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(stream)
-                events.append(event)
-            self._events[bucket] = events
-
-    def wait(self, bucket: int) -> None:
-        if self._cuda and self._stream is not None:
-            for event in self._events.pop(bucket):
-                self._stream.wait_event(event)
+        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def stream(self) -> Any:
-        """The stream the starting thread issues on (nothing to enter on the CPU)."""
-        if self._cuda and self._stream is not None:
+        """The stream to issue on, entered (nothing to enter on the CPU)."""
+        if self._stream is not None:
             return torch.cuda.stream(self._stream)
         return contextlib.nullcontext()
 
@@ -357,50 +343,6 @@ class Reducer:
             return Reduced(out, agreed.used, self._state)
         out, state = reduce_started(self._started, self._hook, self._state, ctx)
         return Reduced(out, agreed.used, state)
-
-
-_SUM = allreduce("sum")
-
-
-def _fused_mean(
-    hook: Hook, options: SyncOptions, plan: BucketPlan, group: _comm.Group
-) -> float | None:
-    """``1 / world_size`` where the default mean can scale each gradient on its way in.
-
-    DDP's Reducer, when no comm hook is set, multiplies each gradient by
-    ``1 / world_size`` as it copies it into the bucket (``mul_out``), then sums.
-    fsync's default hook takes the same product on the packed bucket; taking it
-    in the copy gives the same bits in one pass over memory instead of two, and
-    the bucket is then summed. Only where it is the same product: the default
-    hook, a mean over the world (not ``divide_by="active"``, known only after
-    the agreement), a flat group (a mesh scales the node's sum) and every bucket
-    in its leaves' dtype.
-    """
-    flat = _comm.hierarchy(group) is None and _comm.size(group) > 1
-    if hook_spec(hook) != DEFAULT_HOOK.spec or options.divide_by != "world" or not flat:
-        return None
-    return None if plan.reduce_dtype is not None else 1.0 / _comm.size(group)
-
-
-def reachable(output: torch.Tensor, leaves: Sequence[torch.Tensor | None]) -> list[bool]:
-    """Per leaf, whether ``output`` depends on it through the autograd graph (DDP's test).
-
-    DDP with ``find_unused_parameters=True`` walks the graph from the outputs
-    after forward; a leaf it cannot reach gets no gradient on this rank.
-    """
-    found: set[int] = set()
-    seen: set[Any] = set()
-    stack = [output.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if variable is not None:
-            found.add(id(variable))
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return [leaf is not None and id(leaf) in found for leaf in leaves]
 
 
 class TorchFunc(NamedTuple):
@@ -564,49 +506,32 @@ def synced_backward(
     state_fingerprint: torch.Tensor | None = None,
     stages: Callable[[BucketPlan, Hook, Any, _comm.Group, Agreement], Stages[_R]],
 ) -> tuple[_R, Any]:
-    """``fn`` on differentiable copies of ``leaves``, one backward of ``value_of(output)``
+    """``fn`` on ``leaves`` made differentiable, one backward of ``value_of(output)``
     that syncs as it runs: what ``stages`` made of the plan's buckets, and ``fn``'s output.
 
     ``fn(differentiable_leaves)`` is the forward pass; ``leaves`` fit ``plan``
     (its tensor leaves, in flatten order). ``stages`` says what happens to the
     complete buckets: ``Reducer`` reduces them, as
     [fsync.grad_and_value][] does; the ZeRO step's gradient call updates and
-    gathers them too. It receives the hook to run, which is the options' hook
-    or, where DDP's mean is fused into the copy, a sum (``_fused_mean``).
+    gathers them too.
     """
     try:
         _checks.check_differentiable(plan)
     except TypeError as error:
         refuse(error, group)
-    hook = hook_of(options)
-    inputs = [None if x is None else x.detach().requires_grad_() for x in leaves]
-    try:
-        with torch.enable_grad():
-            output = fn(inputs)
-    except Exception as error:
-        _tell(error, group)
-        raise
-    try:
-        value = value_of(output)
-    except ValueError as error:
-        refuse(error, group)
-    tensors = [x for x in inputs if x is not None]
-    has = reachable(value, tensors) if options.find_unused else [True] * len(tensors)
+    buckets = Buckets(plan)
+    inputs, token = buckets.inputs(leaves)
+    output, value = _forward(fn, value_of, inputs, group)
+    has = buckets.reachable(value) if options.find_unused else [True] * sum(map(len, plan.buckets))
     terms_ = terms(options, group, hook_state, step=step, state_fingerprint=state_fingerprint)
     start = _comm.sequence_number(group)
     agreement = begin(plan, has, group, terms_)
-    scale = _fused_mean(hook, options, plan, group)
-    reducer = stages(plan, hook if scale is None else _SUM, hook_state, group, agreement)
-    buckets = Buckets(plan, reducer.start, scale)
-    indices = [i for i, x in enumerate(inputs) if x is not None]
-    buckets.skip([i for i, used in zip(indices, has, strict=True) if not used])
-    for i, x, used in zip(indices, tensors, has, strict=True):
-        if used:
-            x.register_hook(functools.partial(buckets.receive, i))  # type: ignore[no-untyped-call]
-    buckets.run()
+    reducer = stages(plan, hook_of(options), hook_state, group, agreement)
+    buckets.skip([not used for used in has])
+    buckets.run(reducer.start)
     try:
-        if value.requires_grad and tensors:
-            torch.autograd.grad(value, tensors, allow_unused=True)
+        if value.requires_grad and plan.specs:
+            torch.autograd.grad(value, token, allow_unused=True)
     except BaseException:
         buckets.stop()
         buckets.join(quiet=True)  # backward's own error is the one to report
@@ -617,3 +542,48 @@ def synced_backward(
         return reducer.finish(), output
     except _comm.CollectiveError as failure:
         raise _comm.named(failure, group, start, step=step) from failure
+
+
+def _forward(
+    fn: Callable[[Sequence[torch.Tensor | None]], Any],
+    value_of: Callable[[Any], torch.Tensor],
+    inputs: Sequence[torch.Tensor | None],
+    group: _comm.Group,
+) -> tuple[Any, torch.Tensor]:
+    """``fn(inputs)`` with autograd on, and the value to differentiate; what fails on this
+    rank is every rank's error (``_tell``, ``refuse``)."""
+    try:
+        with torch.enable_grad():
+            output = fn(inputs)
+    except Exception as error:
+        _tell(error, group)
+        raise
+    try:
+        return output, value_of(output)
+    except ValueError as error:
+        refuse(error, group)
+        raise
+
+
+def plain_backward(
+    fn: Callable[[Sequence[torch.Tensor | None]], Any],
+    value_of: Callable[[Any], torch.Tensor],
+    leaves: Sequence[torch.Tensor | None],
+    plan: BucketPlan,
+    group: _comm.Group,
+) -> tuple[list[torch.Tensor | None], Any]:
+    """``fn`` on ``leaves`` made differentiable, and autograd's gradients of
+    ``value_of(output)``, each in its leaf's layout and memory of its own: the call with one
+    rank, where the mean is the gradient itself (nothing packed, nothing sent).
+
+    A leaf that ``fn`` does not use gets zeros (``torch.func``'s rule).
+    """
+    _checks.check_differentiable(plan)
+    inputs = [None if x is None else x.detach().requires_grad_() for x in leaves]
+    output, value = _forward(fn, value_of, inputs, group)
+    tensors = [x for x in inputs if x is not None]
+    if value.requires_grad and tensors:
+        grads: Sequence[torch.Tensor] = torch.autograd.grad(value, tensors, materialize_grads=True)
+    else:
+        grads = [torch.zeros_like(x) for x in tensors]
+    return _pack.own_grads(grads, plan), output

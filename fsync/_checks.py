@@ -11,6 +11,7 @@ May import: ``_tree`` and ``_plan`` (layers 1 and 2), never a process group.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from fsync import _tree
-from fsync._plan import BucketPlan, BucketSpec, LeafSpec, TensorMeta, count
+from fsync._plan import PLAN_CACHE_SIZE, BucketPlan, BucketSpec, LeafSpec, TensorMeta, count
 
 NOT_A_TENSOR = (
     "{what} leaf {path!r} is a {kind}; expected a torch.Tensor or None. Keep only tensors in "
@@ -209,6 +210,7 @@ def given(grads: Any) -> Any:
     return grads
 
 
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)  # a plan that passes, once
 def check_differentiable(plan: BucketPlan) -> None:
     """Raises unless every tensor leaf of ``plan`` can be differentiated (dense, floating)."""
     for spec in plan.leaves:

@@ -24,11 +24,11 @@ import torch
 from typing_extensions import Unpack
 
 from fsync import _checks, _comm, _planner, _tree
-from fsync._agree import refuse
-from fsync._backward import Reducer, TorchFunc, synced_backward
+from fsync._agree import check_alone, refuse
+from fsync._backward import Reducer, TorchFunc, plain_backward, synced_backward
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._planner import Planned
-from fsync._reduce import init_hook, sync_tree, unpack_reduced
+from fsync._reduce import gives_back, init_hook, sync_tree, unpack_reduced
 
 
 def grad_and_value(
@@ -44,12 +44,13 @@ def grad_and_value(
     ``fsync.grad_and_value(loss_fn)(params, batch)`` returns ``(grads, loss)``
     like ``torch.func.grad_and_value``, with ``grads`` averaged over the ranks
     exactly as ``fsync.sync_grads(grads, **options)`` averages them. Eagerly it
-    runs one backward pass whose autograd hooks pack each gradient into its
-    bucket as it arrives and start a bucket's hook and collectives as soon as
-    the bucket is complete, in the plan's order on every rank, after the ranks'
-    agreement; communication then hides behind the rest of backward, as with
-    DDP, and the result equals DDP's synced ``.grad`` bit for bit. Nothing is
-    kept between calls but the plan cache. Under ``torch.compile`` it is
+    runs one backward pass in which each bucket is packed (one copy, by an
+    autograd node of the bucket) as soon as backward has computed its gradients
+    and its hook and collectives start, in the plan's order on every rank, after
+    the ranks' agreement; communication then hides behind the rest of backward,
+    as with DDP, and the result equals DDP's synced ``.grad`` bit for bit. With
+    one rank and the default mean it is autograd's call alone. Nothing is kept
+    between calls but the plan cache. Under ``torch.compile`` it is
     ``torch.func.grad_and_value`` then [fsync.sync_grads][], which the compiler
     schedules (see the guide "Compiling").
 
@@ -112,8 +113,12 @@ def grad_and_value(
                 raise ValueError(_checks.STATEFUL_HOOK)
         except (ValueError, TypeError) as error:
             refuse(error, group)  # every rank raises it
+        forward = settings.forward(args, kwargs, rebuild)
+        if gives_back(sync_options, plan, group):
+            grads, output = plain_backward(forward, settings.value, leaves, plan, group)
+            return settings.result(rebuild(grads), output)
         reduced, output = synced_backward(
-            settings.forward(args, kwargs, rebuild),
+            forward,
             settings.value,
             leaves,
             plan,
@@ -203,21 +208,27 @@ def stateful(
                 leaves, plan, rebuild = fit(settings.differentiated(args), state)
             except (ValueError, TypeError) as error:
                 refuse(error, sync.group)  # every rank raises it
-            reduced, output = synced_backward(
-                settings.forward(args, kwargs, rebuild),
-                settings.value,
-                leaves,
-                plan,
-                sync.options,
-                state.hook,
-                sync.group,
-                step=state.step,
-                state_fingerprint=state.fingerprint,
-                stages=Reducer,
-            )
-            grads = rebuild(unpack_reduced(reduced, plan))
-            state = state._replace(hook=reduced.hook_state, step=state.step + 1)
-            result = settings.result(grads, output)
+            forward = settings.forward(args, kwargs, rebuild)
+            if gives_back(sync.options, plan, sync.group):
+                check_alone(plan, state.fingerprint)
+                grads, output = plain_backward(forward, settings.value, leaves, plan, sync.group)
+                hook_state = state.hook
+            else:
+                reduced, output = synced_backward(
+                    forward,
+                    settings.value,
+                    leaves,
+                    plan,
+                    sync.options,
+                    state.hook,
+                    sync.group,
+                    step=state.step,
+                    state_fingerprint=state.fingerprint,
+                    stages=Reducer,
+                )
+                grads, hook_state = unpack_reduced(reduced, plan), reduced.hook_state
+            state = state._replace(hook=hook_state, step=state.step + 1)
+            result = settings.result(rebuild(grads), output)
         return (result if value else settings.grad(result)), state
 
     return call

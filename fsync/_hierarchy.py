@@ -22,8 +22,8 @@ import torch
 
 from fsync import _tree
 from fsync._pack import shard_numel
-from fsync._plan import BucketPlan, LeafSpec
-from fsync._planner import PLAN_CACHE_SIZE, python_at_trace_time
+from fsync._plan import PLAN_CACHE_SIZE, BucketPlan, LeafSpec
+from fsync._planner import python_at_trace_time
 
 _Bucket = tuple[int, torch.dtype, torch.device]
 

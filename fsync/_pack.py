@@ -11,16 +11,17 @@ May import: ``_tree``, ``_plan``, ``_checks``, ``_planner`` (layers 1 to 4).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from fsync import _tree
 from fsync._checks import check_buffers
-from fsync._plan import BucketPlan, BucketSpec, LeafSpec
-from fsync._planner import empty_sparse, fit_tree
+from fsync._plan import PLAN_CACHE_SIZE, BucketPlan, BucketSpec, LeafLayout, LeafSpec
+from fsync._planner import empty_sparse, fit_tree, like_of_spec
 
 
 def flat(leaf: torch.Tensor | None, spec: LeafSpec, dtype: torch.dtype) -> torch.Tensor:
@@ -65,42 +66,107 @@ def _pack_bucket(
         if leaf is None:
             return empty_sparse(leaf_spec_.shape, leaf_spec_.sparse_dim, spec.dtype, spec.device)
         return leaf.coalesce()
-    parts = []
+    if not torch.compiler.is_compiling():
+        return pack_grads([leaves[i] for i in spec.leaves], spec)
+    parts: list[torch.Tensor] = []
     for i, layout in zip(spec.leaves, spec.layouts, strict=True):
         leaf = leaves[i]
         if leaf is None:
-            leaf_spec_ = plan.leaves[i]
-            assert leaf_spec_ is not None
-            leaf = torch.zeros(leaf_spec_.numel, dtype=spec.dtype, device=spec.device)
+            leaf = torch.zeros(spec.sizes[len(parts)], dtype=spec.dtype, device=spec.device)
         elif layout.perm is not None:
             leaf = leaf.permute(layout.perm)
         parts.append(leaf)
-    if torch.compiler.is_compiling() and len(parts) <= FUSED_CAT_LEAVES:
+    if len(parts) <= FUSED_CAT_LEAVES:
         # A plain cat, which inductor fuses with the hook's scaling or cast: one pass.
         flattened = [part if part.dim() == 1 else part.reshape(-1) for part in parts]
         if after is not None:
             flattened = [part * after for part in flattened]
         return torch.cat([p if p.dtype == spec.dtype else p.to(spec.dtype) for p in flattened])
-    # Many leaves: one opaque concatenation (C++ eagerly, a custom op under compile)
-    # whose cost does not grow with the number of leaves in Python or in the compiler.
-    buffer = _concat(parts)
+    # Many leaves: one opaque concatenation (a custom op) whose cost does not grow with the
+    # number of leaves in the compiler.
+    buffer: torch.Tensor = torch.ops.fsync.concat(parts)
     if after is not None:
         buffer = buffer * after
     return buffer if buffer.dtype == spec.dtype else buffer.to(spec.dtype)
+
+
+def pack_grads(grads: Sequence[torch.Tensor | None], spec: BucketSpec) -> torch.Tensor:
+    """A dense bucket's new buffer from its leaves' tensors (in buffer order), eagerly.
+
+    One batched copy (``flatten_dense_tensors``, C++), each leaf in its memory order,
+    then one cast where the bucket's dtype is another: a call per bucket, not per
+    leaf. A ``None`` leaf is zeros, a sparse one is made dense. The tensors are only
+    read, and the buffer shares memory with none of them.
+    """
+    parts = cast(Sequence[torch.Tensor], grads)
+    strided = torch.strided
+    if _permuted(spec) or any(g is None or g.layout is not strided for g in grads):
+        parts = [_dense(g, spec, j) for j, g in enumerate(grads)]
+    if len(parts) == 1:  # flatten_dense_tensors would return a view of it
+        buffer = parts[0].reshape(-1).clone()
+    else:
+        buffer = torch._C._nn.flatten_dense_tensors(cast(list[torch.Tensor], parts))
+    return buffer if buffer.dtype == spec.dtype else buffer.to(spec.dtype)
+
+
+def _permuted(spec: BucketSpec) -> bool:
+    return any(layout.perm is not None for layout in spec.layouts)
+
+
+def _dense(g: torch.Tensor | None, spec: BucketSpec, j: int) -> torch.Tensor:
+    """Leaf ``j`` of bucket ``spec`` as a dense tensor in memory order."""
+    if g is None:
+        return torch.zeros(spec.sizes[j], dtype=spec.dtype, device=spec.device)
+    if g.layout != torch.strided:
+        g = g.to_dense()
+    perm = spec.layouts[j].perm
+    return g if perm is None else g.permute(perm)
+
+
+def own_grads(grads: Sequence[torch.Tensor], plan: BucketPlan) -> list[torch.Tensor | None]:
+    """Autograd's gradients of the plan's tensor leaves (in flatten order) as results: in
+    the plan's flatten order (``None`` leaves kept), each dense, laid out as its leaf and
+    in memory of its own.
+
+    ``torch.autograd.grad`` may hand out one tensor for two leaves (``a + b``), a view of
+    part of another tensor (a ``cat``'s pieces), a broadcast one, or another memory order;
+    such a gradient is copied into a new tensor of its leaf's layout. The others (a
+    linear layer's gradients are whole views, of a transposed product or a kept dim) are
+    the results as they are: no copy.
+    """
+    out: list[torch.Tensor | None] = [None] * len(plan.leaves)
+    roots: set[int] = set()
+    for (i, perm), g in zip(_orders(plan), grads, strict=True):
+        if g.layout != torch.strided:
+            g = g.to_dense()
+        root = g._base
+        if root is None:
+            root = g
+        elif root.numel() != g.numel():  # a part of it
+            root = None
+        laid_out = g.is_contiguous() if perm is None else g.permute(perm).is_contiguous()
+        if root is None or not laid_out or id(root) in roots:
+            spec = plan.leaves[i]
+            g = root = torch.empty_like(like_of_spec(spec), device=g.device).copy_(g)  # type: ignore[arg-type]
+        roots.add(id(root))
+        out[i] = g
+    return out
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _orders(plan: BucketPlan) -> tuple[tuple[int, tuple[int, ...] | None], ...]:
+    """Per tensor leaf (flatten order): its index, and its memory order unless row-major."""
+    return tuple(
+        (i, None if spec.perm == tuple(range(len(spec.perm))) else spec.perm)
+        for i, spec in enumerate(plan.leaves)
+        if spec is not None
+    )
 
 
 # Buckets of up to this many leaves are packed by torch.cat under torch.compile, which
 # inductor turns into one kernel fused with what follows; beyond it the generated
 # kernel, and its compile time, grow with every leaf.
 FUSED_CAT_LEAVES = 32
-
-
-def _concat(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The parts, each flattened in row-major order, in one new 1-D tensor."""
-    if torch.compiler.is_compiling():
-        concatenated: torch.Tensor = torch.ops.fsync.concat(parts)
-        return concatenated
-    return _concat_impl(parts)
 
 
 @torch.library.custom_op("fsync::concat", mutates_args=())
@@ -157,21 +223,51 @@ def pack(tree: Any, plan: BucketPlan, /) -> list[torch.Tensor]:
 def unpack_leaves(buffers: Sequence[torch.Tensor], plan: BucketPlan) -> list[torch.Tensor | None]:
     """Leaves (flatten order) of already checked buffers; views where layouts allow."""
     leaves: list[torch.Tensor | None] = [None] * len(plan.leaves)
-    for buffer, spec in zip(buffers, plan.specs, strict=True):
+    if torch.compiler.is_compiling():
+        for buffer, spec in zip(buffers, plan.specs, strict=True):
+            if spec.sparse:
+                leaves[spec.leaves[0]] = buffer
+                continue
+            # One narrow per leaf rather than one split: a split's N outputs come back as
+            # getitems on one N-long list, which inductor lowers in time quadratic in N.
+            starts = itertools.accumulate(spec.sizes[:-1], initial=0)
+            for i, a, n, layout in zip(spec.leaves, starts, spec.sizes, spec.layouts, strict=True):
+                leaves[i] = _leaf_of(buffer.narrow(0, a, n), layout)
+        return leaves
+    for buffer, spec, odd in zip(buffers, plan.specs, _unpacking(plan), strict=True):
         if spec.sparse:
             leaves[spec.leaves[0]] = buffer
             continue
-        # One narrow per leaf rather than one split: a split's N outputs come back as
-        # getitems on one N-long list, which inductor lowers in time quadratic in N.
-        starts = itertools.accumulate(spec.sizes[:-1], initial=0)
-        pieces = [buffer.narrow(0, a, n) for a, n in zip(starts, spec.sizes, strict=True)]
-        for i, piece, layout in zip(spec.leaves, pieces, spec.layouts, strict=True):
-            if layout.view is not None:
-                piece = piece.view(layout.view)
-            if layout.inverse is not None:
-                piece = piece.permute(layout.inverse)
-            leaves[i] = piece if layout.dtype is None else piece.to(layout.dtype)
+        # Every leaf's slice in one call (C++); then the leaves that need more (a shape).
+        pieces = list(buffer.split_with_sizes(spec.sizes))
+        for j in odd:
+            pieces[j] = _leaf_of(pieces[j], spec.layouts[j])
+        for i, piece in zip(spec.leaves, pieces, strict=True):
+            leaves[i] = piece
     return leaves
+
+
+def _leaf_of(piece: torch.Tensor, layout: LeafLayout) -> torch.Tensor:
+    """A leaf from its slice of a bucket (or its view in memory order): shape, strides, dtype."""
+    if layout.view is not None:
+        piece = piece.view(layout.view)
+    if layout.inverse is not None:
+        piece = piece.permute(layout.inverse)
+    return piece if layout.dtype is None else piece.to(layout.dtype)
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _unpacking(plan: BucketPlan) -> tuple[tuple[int, ...], ...]:
+    """Per bucket, the positions of the leaves that are more than a 1-D slice of it (a
+    shape, a permutation back, a cast)."""
+    return tuple(
+        tuple(
+            j
+            for j, layout in enumerate(spec.layouts)
+            if layout.view is not None or layout.inverse is not None or layout.dtype is not None
+        )
+        for spec in plan.specs
+    )
 
 
 def unpack(buffers: Sequence[torch.Tensor], plan: BucketPlan, /) -> Any:

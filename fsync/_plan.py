@@ -23,6 +23,10 @@ from fsync import _tree
 
 MiB = 1024 * 1024
 
+# Plans, and what is derived from one, kept per process: a training loop syncs one or a
+# few trees.
+PLAN_CACHE_SIZE = 64
+
 Order = Literal["reverse", "forward"] | Sequence[int]
 
 
@@ -267,6 +271,11 @@ class BucketPlan:
         object.__setattr__(
             self, "skeleton", _tree.unflatten(self.treespec, range(len(self.leaves)))
         )
+
+    def __hash__(self) -> int:
+        # The digest of what equality compares (the device index aside): hashing the
+        # leaves again at every cache lookup would cost microseconds per leaf and call.
+        return self.fingerprint
 
     def structure(self) -> optree.PyTreeSpec:
         """The tree structure, in a form the running code can use.

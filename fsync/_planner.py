@@ -27,6 +27,7 @@ import torch
 
 from fsync import _checks, _trace, _tree
 from fsync._plan import (
+    PLAN_CACHE_SIZE,
     BucketPlan,
     LeafSpec,
     Order,
@@ -43,9 +44,6 @@ from fsync._serialization import register_state
 logger = logging.getLogger("fsync")
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-# Plans kept per process: a training loop syncs one or a few trees.
-PLAN_CACHE_SIZE = 64
 
 
 class PlanOptions(NamedTuple):
@@ -154,7 +152,19 @@ def _flatten(tree: Any, what: str) -> tuple[list[Any], Structure, Callable[[Sequ
 
 
 def _metas(leaves: Sequence[Any]) -> tuple[_Meta | None, ...]:
-    return tuple(None if t is None else _meta(t) for t in leaves)
+    if torch.compiler.is_compiling():
+        return tuple(None if t is None else _meta(t) for t in leaves)
+    # Eagerly, once per leaf and call, where it costs most: one expression, which asks
+    # whether it traces once.
+    strided = torch.strided
+    return tuple(
+        None
+        if t is None
+        else (t.shape, t.stride(), t.dtype, t.device, strided, 0, t.requires_grad)
+        if type(t) is torch.Tensor and t.layout is strided
+        else _meta(t)
+        for t in leaves
+    )
 
 
 def _meta(t: torch.Tensor | SparseLike) -> _Meta:

@@ -119,6 +119,20 @@ def agreed_spec(hook: Hook, group: _comm.Group, stage: str = "sync") -> str:
     return spec if stage == "sync" else f"{spec}, deferred: {stage}"
 
 
+def gives_back(options: SyncOptions, plan: BucketPlan, group: _comm.Group) -> bool:
+    """Whether a sync of ``plan`` over ``group`` returns every gradient as it is: one rank,
+    the default mean (over itself: the identity), in the leaves' own dtypes, dense, every
+    leaf coming back. Then there is nothing to pack, send or agree on."""
+    return (
+        _comm.size(group) == 1
+        and _comm.hierarchy(group) is None
+        and hook_spec(hook_of(options)) == DEFAULT_HOOK.spec
+        and plan.reduce_dtype is None
+        and not options.find_unused
+        and not any(spec.sparse for spec in plan.specs)
+    )
+
+
 def check_sparse(plan: BucketPlan, hook: Hook, *, agreed: bool) -> None:
     """Sparse buckets are averaged by fsync itself: eagerly, and with the default hook only.
 

@@ -24,10 +24,10 @@ Per bucket the step is three stages, reduce, update, gather (``_zero_stages``).
 The step after the gradients exist issues every bucket's reduce, then updates
 and gathers bucket after bucket. The ZeRO step's own gradient call
 (``ZeroStep.value_and_step``, eager) runs them during backward instead, as
-torch's ``hook_with_zero_step`` does with DDP's buckets: one backward whose
-autograd hooks pack each gradient into its bucket (``_backward``), and as each
-bucket completes, in plan order on every rank and after the ranks' agreement,
-its reduce is issued and the bucket before it is updated and gathered.
+torch's ``hook_with_zero_step`` does with DDP's buckets: one backward in which
+each bucket's autograd node packs it (``_backward``), and as each bucket
+completes, in plan order on every rank and after the ranks' agreement, its
+reduce is issued and the bucket before it is updated and gathered.
 
 ``replicated`` is the same pipeline with nothing split: its ``shard_group`` is this
 rank alone (``_comm.ALONE``), so the layout is a world of one that owns every bucket

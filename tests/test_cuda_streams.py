@@ -1,29 +1,30 @@
 """The eager gradient call's stream handoff on a GPU, under stress, against DDP every step.
 
-``fsync.grad_and_value`` copies each gradient into its bucket from autograd's hook, on
-the stream that produced the gradient (the stream its forward ran on), and a starter
-thread issues each complete bucket's collective on the caller's stream, which first
-waits for events recorded on every stream that wrote into the bucket
-(``fsync/_backward.py``, ``_DeviceOrder``). A missing wait does not fail: it sends
-half-written gradients. So these tests hold the race wide open and compare every step
-with DDP, bit for bit (two ranks on the one GPU over gloo; see ``tests/test_cuda.py``):
+``fsync.grad_and_value`` fills each bucket in the backward of the bucket's autograd node,
+which autograd runs on the stream the call began on (the caller's) once that stream has
+waited for every stream that produced one of the bucket's gradients; a starter thread
+issues each complete bucket's collective on the caller's stream too (``fsync/_backward.py``,
+``_Issuing``), so that the collective follows the copy in stream order. A collective issued
+on any other stream does not fail: it sends half-written gradients. So these tests hold the
+race wide open and compare every step with DDP, bit for bit (two ranks on the one GPU over
+gloo; see ``tests/test_cuda.py``):
 
-- the forward pass, and so autograd's copies, run on side streams, not the caller's:
-  nothing but the recorded events orders the copies before the collectives;
+- the call (fsync's and DDP's) runs on a side stream of the caller's, and the forward pass,
+  and so the gradients, on further side streams (one, or two branches with a stream each);
 - after every layer, backward first queues milliseconds of GPU sleep on the producing
   stream (``_Queued``), so the CPU completes and issues buckets long before the GPU has
   written them; each run records whether the producing streams were still busy when the
   first bucket was issued;
-- each check has teeth: the same run with the wait removed (a test-only patch of
-  ``_DeviceOrder.wait``), or, for a bucket written by two streams, with an event on the
-  completing stream only (``_DeviceOrder.note`` patched out: what fsync did before),
-  must differ from DDP.
+- each check has teeth: the same run with the starter issuing on its thread's default
+  stream instead of the caller's (a test-only patch of ``_Issuing.stream``) must differ
+  from DDP, in both stream settings.
 
 Functions named ``_on_rank_*`` run on every rank of a :class:`World`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, NamedTuple
 
@@ -106,14 +107,13 @@ SETTINGS = {
     # One branch of 8 layers on one side stream; 1 MiB buckets hold one 4 MiB layer each,
     # the first issued while seven layers are still queued behind sleeps.
     "one stream": _Setting(8, (SLEEP,), 1.0),
-    # Two branches of 2 layers in one bucket, each branch on its own stream. Backward takes
-    # the branch made last first (autograd runs the later node first): the sleeping one,
-    # whose leaves arrive first; the other's complete the bucket while the first stream
-    # still sleeps before its copies.
+    # Two branches of 2 layers in one bucket, each branch on its own stream, one of them
+    # sleeping: the bucket's node waits for both producers, the later one asleep while the
+    # CPU has long issued the bucket.
     "two streams": _Setting(2, (0, 4 * SLEEP), 1000.0),
 }
-# How each run patches _DeviceOrder, test-only: "" as shipped.
-NO_WAIT, ONE_EVENT = "no wait", "event on the completing stream only"
+# How a run patches _Issuing, test-only: "" as shipped.
+DEFAULT_STREAM = "issued on the starter's default stream"
 
 
 def _batch(rank: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,32 +147,35 @@ def _on_rank_stress(setting: str, patch: str) -> dict:
     premise = all(torch.equal(alone[n], p.grad) for n, p in local.named_parameters())
 
     busy: list[bool] = []
-    wait, note = _backward._DeviceOrder.wait, _backward._DeviceOrder.note
+    start, stream = _backward.Reducer.start, _backward._Issuing.stream
 
-    def patched_wait(order: Any, bucket: int) -> None:
-        if bucket == 0:  # the first bucket is issued now: is backward still writing?
-            busy.append(not all(stream.query() for stream in streams))
-        if patch != NO_WAIT:
-            wait(order, bucket)
+    def patched_start(reducer: Any, k: int, buffer: torch.Tensor) -> None:
+        if k == 0:  # the first bucket is issued now: is backward still writing?
+            busy.append(not all(s.query() for s in streams))
+        start(reducer, k, buffer)
 
-    _backward._DeviceOrder.wait = patched_wait
-    if patch == ONE_EVENT:
-        _backward._DeviceOrder.note = lambda order, bucket: None
+    _backward.Reducer.start = patched_start
+    if patch == DEFAULT_STREAM:
+        _backward._Issuing.stream = lambda issuing: contextlib.nullcontext()
+    caller = torch.cuda.Stream(device)
     equal, worst = [], 0.0
     try:
         grad_fn = fsync.grad_and_value(loss_fn, **options)
         for step in range(STEPS):
             batch = _batch(rank, step, device)
-            ddp.zero_grad(set_to_none=True)
-            nn.functional.mse_loss(ddp(batch[0]), batch[1]).backward()
-            grads, _ = grad_fn(params, batch)
+            caller.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(caller):
+                ddp.zero_grad(set_to_none=True)
+                nn.functional.mse_loss(ddp(batch[0]), batch[1]).backward()
+                grads, _ = grad_fn(params, batch)
+            torch.cuda.current_stream(device).wait_stream(caller)
             expected = {n: p.grad for n, p in ddp.module.named_parameters()}
             equal.append(all(torch.equal(grads[n], g) for n, g in expected.items()))
             for n, g in expected.items():  # garbage read too early may hold NaNs: infinite
                 diff = (grads[n].double() - g.double()).abs().max()
                 worst = max(worst, float(diff.nan_to_num(nan=float("inf"))))
     finally:
-        _backward._DeviceOrder.wait, _backward._DeviceOrder.note = wait, note
+        _backward.Reducer.start, _backward._Issuing.stream = start, stream
     plan = fsync.plan_buckets(params, **options)
     return {
         "setting": setting,
@@ -214,10 +217,9 @@ def test_buckets_issued_while_backward_writes_equal_ddp_every_step(world: World,
 
 @pytest.mark.timeout(TIMEOUT + 30)
 @pytest.mark.parametrize("world", [2], indirect=True)
-@pytest.mark.parametrize(
-    ("setting", "patch"), [("one stream", NO_WAIT), ("two streams", ONE_EVENT)]
-)
-def test_without_the_wait_the_check_fails(world: World, setting, patch):
-    """The check has teeth: with fsync's wait removed, buckets go out half-written."""
-    run = _run(world, setting, patch)
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_issued_on_another_stream_the_check_fails(world: World, setting):
+    """The check has teeth: issued on a stream that did not fill them, buckets go out
+    half-written."""
+    run = _run(world, setting, DEFAULT_STREAM)
     assert run["equal"] < STEPS, run

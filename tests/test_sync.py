@@ -418,10 +418,10 @@ def test_world_size_one_issues_no_collective(world: World):
     for per_rank in issued:
         assert all(per_rank.values()), per_rank
         ops = {name: _functional_ops(names) for name, names in per_rank.items()}
-        # One bucket: one all-reduce per sync (in place, the sync owning its buffers),
-        # after the ranks' agreement (an all-reduce of 13 int64) that every sync starts
-        # with; GradSync.init agrees on the plan the same way, and find_unused adds an
-        # all-reduce of per-leaf counts. Sorted by name, so the in-place reduce is last.
-        reduce, control = "_c10d_functional::all_reduce_", "_c10d_functional::all_reduce"
-        assert ops["GradSync"] == ops["sync_grads"] == ops["inactive"] == [control, reduce]
-        assert ops["find_unused"] == [control, control, control, reduce]
+        # One bucket: one all-reduce per sync, after the ranks' agreement (an all-reduce
+        # of 13 int64) that every sync starts with, each in place (into a tensor the sync
+        # owns); GradSync.init agrees on the plan the same way, and find_unused adds an
+        # all-reduce of per-leaf counts.
+        reduce = "_c10d_functional::all_reduce_"
+        assert ops["GradSync"] == ops["sync_grads"] == ops["inactive"] == [reduce] * 2
+        assert ops["find_unused"] == [reduce] * 4
