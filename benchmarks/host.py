@@ -1,13 +1,18 @@
 """What an eager gradient call costs the host, per step and per leaf, beside DDP's.
 
-``python -m benchmarks.host`` times, in turns (:mod:`benchmarks.harness`), one gradient call
-of the host-bound GPT (``benchmarks.models``, 12 blocks of width 32: 150 leaves) and of the
-same GPT with 3 and 48 blocks (42 and 582 leaves), at world 1 and 2: the module's
-``loss.backward()`` and DDP's, ``torch.autograd.grad`` on the functional loss and
-``fsync.grad_and_value``. What a call adds to its floor (DDP to the module's backward,
-fsync to the functional call it makes, without a sync) is fitted as ``fixed + per leaf x
-leaves`` over the three sizes, least squares on the medians, and printed with each size's
-spread over the rounds. ``docs/performance.md`` quotes it.
+``python -m benchmarks.host`` measures one gradient call of the host-bound GPT
+(``benchmarks.models``, 12 blocks of width 32: 150 leaves) and of the same GPT with 3 and 48
+blocks (42 and 582 leaves), at world 1 and 2: the module's ``loss.backward()`` and DDP's,
+``torch.autograd.grad`` on the functional loss and ``fsync.grad_and_value``. A call's host
+cost is the CPU time its process spends on it (``time.process_time``: every thread, the
+starter's and gloo's included). The calls take turns in one world (a turn of ``--steps``
+calls of each, round after round), so that what one process's memory layout adds weighs on
+all of them alike: here a difference of a millisecond is the quantity measured, and two
+processes of the same call differ by more. What a call adds to its floor (DDP to the
+module's backward, fsync to the functional call it makes, without a sync) is the median
+over the rounds of rank 0's CPU per call, fitted as ``fixed + per leaf x leaves`` over the
+three sizes (least squares), and printed beside the wall-clock ratio of fsync to DDP at
+150 leaves. ``docs/performance.md`` quotes it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,15 +35,13 @@ from benchmarks.models import gpt
 from benchmarks.steps import setting
 
 BLOCKS = (3, 12, 48)  # 6 + 12 x blocks leaves: 42, 150, 582
-CALLS = {  # each call and the floor it adds to
-    "DDP": "module",
-    "fsync": "autograd",
-}
+HOWS = ("module", "DDP", "autograd", "fsync")
+CALLS = {"DDP": "module", "fsync": "autograd"}  # each call and the floor it adds to
 
 
-def call(blocks: int, how: str) -> Built:
+def _call(blocks: int, how: str) -> Callable[[], object]:
     """One gradient call, ``how``: ``"module"``, ``"DDP"``, ``"autograd"`` (the functional
-    loss's leaves made differentiable, ``torch.autograd.grad``) or ``"fsync"``."""
+    loss's leaves made differentiable, then ``torch.autograd.grad``) or ``"fsync"``."""
     work = gpt(n_layer=blocks, d_model=32, vocab_size=64, block_size=8, batch=1, n_head=2)
     batch = work.batch(dist.get_rank())
     if how in ("module", "DDP"):
@@ -45,17 +51,37 @@ def call(blocks: int, how: str) -> Built:
             model.zero_grad(set_to_none=True)
             torch.autograd.backward(work.loss(model, batch))
 
-        return Built(backward)
+        return backward
     params = work.params()
     if how == "fsync":
         synced = fsync.grad_and_value(work.functional_loss)
-        return Built(lambda: synced(params, batch))
+        return lambda: synced(params, batch)
 
     def autograd() -> None:
         leaves = {k: p.detach().requires_grad_() for k, p in params.items()}
         torch.autograd.grad(work.functional_loss(leaves, batch), list(leaves.values()))
 
-    return Built(autograd)
+    return autograd
+
+
+def measured(rounds: int, steps: int) -> Built:
+    """Every call of every size, in turns in this world; ``info`` holds, per call, each
+    round's CPU and wall ms per call."""
+    calls = {f"{how} {b}": _call(b, how) for b in BLOCKS for how in HOWS}
+    for call in calls.values():  # warm-up
+        for _ in range(5):
+            call()
+    cpu: dict[str, list[float]] = {name: [] for name in calls}
+    wall: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            dist.barrier()
+            started, clock = time.process_time(), time.perf_counter()
+            for _ in range(steps):
+                call()
+            cpu[name].append(1000 * (time.process_time() - started) / steps)
+            wall[name].append(1000 * (time.perf_counter() - clock) / steps)
+    return Built(lambda: None, lambda: {"cpu": cpu, "wall": wall})
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -66,43 +92,49 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def _rows(world: int, info: dict[str, Any]) -> list[list[str]]:
+    cpu, wall, leaves = info["cpu"], info["wall"], [6 + 12 * b for b in BLOCKS]
+
+    def added(name: str, floor: str) -> Spread:
+        return _spread([c - f for c, f in zip(cpu[name], cpu[floor], strict=True)])
+
+    rows = []
+    for name, floor in CALLS.items():
+        spreads = [added(f"{name} {b}", f"{floor} {b}") for b in BLOCKS]
+        fixed, per_leaf = fit([float(n) for n in leaves], [s.median for s in spreads])
+        cells = [f"world {world}: {name} over {floor}"]
+        cells += [f"{s.median:.2f} [{s.low:.2f}, {s.high:.2f}]" for s in spreads]
+        cells += [f"{fixed:.2f}", f"{per_leaf * 1000:.1f}"]
+        if name == "fsync":
+            ratios = [f / d for f, d in zip(wall["fsync 12"], wall["DDP 12"], strict=True)]
+            cells.append(table.spread(_spread(ratios)))
+        else:
+            cells.append("")
+        rows.append(cells)
+    return rows
+
+
+def _spread(values: list[float]) -> Spread:
+    return Spread(min(values), statistics.median(values), max(values))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--worlds", default="1,2")
     args = parser.parse_args(argv)
-    hows = ("module", "DDP", "autograd", "fsync")
-    settings = [setting(f"{h} {b}", call, blocks=b, how=h) for b in BLOCKS for h in hows]
-    leaves = [6 + 12 * b for b in BLOCKS]
     rows = []
     for world in map(int, args.worlds.split(",")):
-        row = harness.turns(
-            settings, rounds=args.rounds, steps=args.steps, warmup=5, node=harness.Node(local=world)
-        )
+        only = setting("all calls", measured, rounds=args.rounds, steps=args.steps)
+        row = harness.turns([only], rounds=1, steps=1, warmup=0, node=harness.Node(local=world))
         assert row is not None
-        for name, floor in CALLS.items():
-            added = [_added(row, f"{name} {b}", f"{floor} {b}") for b in BLOCKS]
-            fixed, per_leaf = fit([float(n) for n in leaves], [s.median for s in added])
-            cells = [f"world {world}: {name} over {floor}"]
-            cells += [_ms(s) for s in added]
-            cells += [f"{fixed:.2f}", f"{per_leaf * 1000:.1f}"]
-            ratio = harness.ratio(row, "fsync 12", "DDP 12") if name == "fsync" else None
-            cells.append(table.spread(ratio) if ratio else "")
-            rows.append(cells)
-    header = ["call", *(f"added ms, {n} leaves" for n in leaves), "fixed ms", "us per leaf"]
-    header.append("fsync / DDP, 150 leaves")
-    table.console([("Host cost of one eager gradient call", header, rows)])
+        rows += _rows(world, row["info"]["all calls"][0])
+    leaves = [6 + 12 * b for b in BLOCKS]
+    header = ["call", *(f"added CPU ms, {n} leaves" for n in leaves), "fixed ms", "us per leaf"]
+    header.append("fsync / DDP wall, 150 leaves")
+    table.console([("Host cost of one eager gradient call (rank 0's CPU)", header, rows)])
     return 0
-
-
-def _added(row: harness.Row, name: str, floor: str) -> Spread:
-    """What ``name`` adds to ``floor``, ms per call, round by round."""
-    return harness.per_round(row, lambda ms: ms[name] - ms[floor])
-
-
-def _ms(s: Spread) -> str:
-    return f"{s.median:.2f} [{s.low:.2f}, {s.high:.2f}]"
 
 
 if __name__ == "__main__":

@@ -69,17 +69,24 @@ def accumulate(total: Any, grads: Any, /) -> Any:
             f"accumulate got trees of different structure: the total is {spec} but the new "
             f"gradients are {other}. Accumulate gradients of the same parameters."
         )
-    out = []
-    for path, a, b in zip(spec.paths(), totals, leaves, strict=True):
-        if a is None or b is None:
-            out.append(b if a is None else a)
-            continue
+    out = [b if a is None else a for a, b in zip(totals, leaves, strict=True)]
+    both = [
+        i
+        for i, (a, b) in enumerate(zip(totals, leaves, strict=True))
+        if a is not None and b is not None
+    ]
+    for i in both:
+        a, b = totals[i], leaves[i]
         if a.shape != b.shape or a.dtype != b.dtype:
             raise ValueError(
-                f"accumulate: leaf {_tree.path_str(path)!r} is {a.dtype}{list(a.shape)} in the "
-                f"total but {b.dtype}{list(b.shape)} in the new gradients."
+                f"accumulate: leaf {_tree.path_str(spec.paths()[i])!r} is "
+                f"{a.dtype}{list(a.shape)} in the total but {b.dtype}{list(b.shape)} in the new "
+                "gradients."
             )
-        out.append(torch.add(a, b))
+    # One call for every sum (the same additions, in C++), not one per leaf.
+    sums = torch._foreach_add([totals[i] for i in both], [leaves[i] for i in both])
+    for i, summed in zip(both, sums, strict=True):
+        out[i] = summed
     return _tree.unflatten(spec, out)
 
 

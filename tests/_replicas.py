@@ -17,10 +17,12 @@ same computation as plain fsync over that many ranks (``plain``).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
 import signal
+import socket
 import time
 from typing import Any, NamedTuple
 
@@ -145,16 +147,25 @@ def main(config: dict[str, Any]) -> None:
         prefixed = dist.PrefixStore(f"within/{config['life']}", tcp)
         dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=ranks)
         local = dist.group.WORLD
-    replica = fsync.ft.Replica.connect(
-        config["lighthouse"],
-        replica_id=f"replica_{index}",
-        timeout=datetime.timedelta(seconds=config["timeout_s"]),
-        quorum_timeout=datetime.timedelta(seconds=30),
-        rank=rank,
-        world_size=ranks,
-        store=store,
-        within=local,
-    )
+    outage = {}
+    if "outage_s" in config:  # how long the lighthouse may be away (else fsync.ft's default)
+        outage["lighthouse_outage"] = datetime.timedelta(seconds=config["outage_s"])
+    try:
+        replica = fsync.ft.Replica.connect(
+            config["lighthouse"],
+            replica_id=f"replica_{index}",
+            timeout=datetime.timedelta(seconds=config["timeout_s"]),
+            quorum_timeout=datetime.timedelta(seconds=config.get("quorum_timeout_s", 30)),
+            **outage,
+            rank=rank,
+            world_size=ranks,
+            store=store,
+            within=local,
+        )
+    except fsync.ft.QuorumError as error:  # the lighthouse away as this replica started
+        lost = {"event": "no quorum", "t": time.time(), "error": str(error)}
+        log.write(json.dumps(lost) + "\n")
+        os._exit(4)
     sync, opt, state = setup(config, replica.group)
     (out / f"ready-{me}-{os.getpid()}").touch()
     every = config["replicas"] * ranks
@@ -196,10 +207,15 @@ def main(config: dict[str, Any]) -> None:
             log.write(json.dumps({"event": "refused", "error": str(error)}) + "\n")
             replica.close()
             os._exit(3)
+        except fsync.ft.QuorumError as error:
+            lost = {"event": "no quorum", "t": time.time(), "error": str(error)}
+            log.write(json.dumps(lost) + "\n")
+            os._exit(4)
         log.write(
             json.dumps(
                 {
                     "event": "step",
+                    "t": time.time(),
                     "committed": outcome.committed,
                     "step": outcome.step,
                     "count": int(state.count),
@@ -242,6 +258,14 @@ def plain(config: dict[str, Any]) -> TrainState:
     return state
 
 
+def _free_port() -> int:
+    """A TCP port nothing listens on now: the lighthouse's, kept across its restarts."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
 class Job:
     """A lighthouse in this process and replica processes, each rank forked
     (``_world.forked``).
@@ -259,7 +283,10 @@ class Job:
         # A quorum forms with ``min_replicas`` (a job that waits for a restarted replica has
         # all of them), and waits up to join_timeout_ms for the other live ones.
         minimum = config.get("min_replicas", 1)
-        self.lighthouse = fsync.ft.lighthouse(min_replicas=minimum, join_timeout_ms=1000)
+        self._lighthouse = functools.partial(
+            fsync.ft.lighthouse, min_replicas=minimum, join_timeout_ms=1000
+        )
+        self.lighthouse = self._lighthouse(port=_free_port())
         self.config = {**config, "dir": str(tmp), "lighthouse": self.lighthouse.address()}
         self.ranks: int = config.get("ranks", 1)
         self.procs: dict[int, list[Any]] = {}
@@ -318,10 +345,25 @@ class Job:
         """A ZeRO replica group's optimizer state whole, as its rank 0 gathered it."""
         return torch.load(self.dir / f"full-{name(index, 0, self.ranks)}.pt", weights_only=False)
 
+    def stop_lighthouse(self) -> None:
+        """The lighthouse gone, as a crash or a restart takes it."""
+        self.lighthouse.shutdown()
+        self.lighthouse = None
+
+    def start_lighthouse(self) -> None:
+        """A lighthouse again, at the address of the last (empty: a restarted one)."""
+        port = int(self.config["lighthouse"].rsplit(":", 1)[1])
+        self.lighthouse = self._lighthouse(port=port)
+
+    def kill(self, index: int) -> None:
+        """Replica ``index``'s processes killed (SIGKILL), as a crash takes them."""
+        _stop(self.procs[index])
+
     def close(self) -> None:
         for procs in self.procs.values():
             _stop(procs)
-        self.lighthouse.shutdown()
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
 
 
 def _stop(procs: list[Any]) -> None:

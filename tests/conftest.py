@@ -46,7 +46,7 @@ def _close_worlds() -> Iterator[None]:
 
 # ``benchmarks/run.py --only``'s cases for each page a test can read (``page(NAME)``).
 _PAGE_CASES = {
-    "main": "step,sync,leaves,hooks,anatomy",
+    "main": "step,sync,leaves,hooks,host,anatomy",
     "link": "link",
     "twonodes": "twonodes",
     "ft": "ft",

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from benchmarks import harness, link, run, table, twonodes, zero
+from benchmarks import harness, link, run, steps, table, twonodes, zero
 from tests import _harness_settings
 from tests._launch import PAGES_TIMEOUT_S, bounded
 
@@ -109,8 +109,14 @@ def test_smoke_run_writes_every_section(smoke_pages):
     md = (smoke_pages / "benchmarks.md").read_text()
     for section in ("Targets", "1. Step time, MLP", "1b. Overlap", "2. Sync", "3. Leaf scaling"):
         assert f"## {section}" in md
-    for section in ("4. Hooks", "6. The compiled sync", "7. GPU"):
+    for section in ("4. Hooks", "5. Host cost", "6. The compiled sync", "7. GPU"):
         assert f"## {section}" in md
+    # Each eager call beside its DDP counterpart, on one rank and two.
+    host = md.split("## 5. Host cost")[1].split("\n## ")[0]
+    assert "world 1: ms" in host and "world 2: ms" in host
+    for name in (steps.FSYNC_CALL, steps.FSYNC_POWERSGD, zero.VALUE_AND_STEP):
+        assert f"| {name} | " in host and "x [" in host.split(f"| {name} | ")[1]
+    assert "fsync.grad_and_value <= 1.00 x DDP" in md
     for row in (
         run.OVERLAP,
         run.GRAD_AND_VALUE,

@@ -10,10 +10,12 @@ The unit tests drive the transaction with a stand-in Manager.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import random
 import re
 import signal
+import time
 from unittest import mock
 
 import pytest
@@ -244,6 +246,102 @@ def test_the_others_go_on_without_a_replica_that_stays_dead(tmp_path):
     assert len(log) == STEPS
     assert {e["participants"] for e in log if e["step"] > step} == {1}  # the mean of one
     assert int(job.final(0).count) == STEPS
+
+
+# --- the lighthouse away -------------------------------------------------------------------------
+
+OUTAGE_S = 6.0  # the lighthouse down this long
+# A replica finds a lighthouse back within about a second (fsync.ft's retries) and the quorum
+# then forms in its join timeout (1 s here); the target: no step longer than the outage + 5 s.
+SLACK_S = 5.0
+# What torchft adds where a restarted lighthouse numbers its first quorum as the survivor's
+# last (ids start again at 1): torchft reconfigures its process group only when the id
+# changes, so the survivor keeps the old one while the restarted replica waits in a new
+# one's rendezvous until the process group's timeout; the two meet at the next quorum. Seen
+# in 4 of 9 runs, 19 s over the outage with TIMEOUT_S = 5 (docs/fault-tolerance.md).
+REUSED_QUORUM_S = 5 * TIMEOUT_S
+
+
+def _progress(job, index, at_least, timeout=60.0):
+    """Waits until replica ``index`` has committed ``at_least`` steps."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = job.dir / f"log-{_replicas.name(index, 0, 1)}.jsonl"
+        if path.exists() and len(_commits(job.log(index))) >= at_least:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"replica {index} did not commit {at_least} steps:\n{job.stderr(index)}")
+
+
+@pytest.mark.timeout(200)
+def test_a_lighthouse_restarted_at_its_address_costs_the_outage_and_no_replica(tmp_path):
+    # The lighthouse stops while the replicas train, replica 1 is killed and restarted
+    # meanwhile (a membership change only a lighthouse can settle), and a new lighthouse starts
+    # at the same address OUTAGE_S later: both replicas go on and end identical, and the
+    # survivor's longest step is the outage and a few seconds, not torchft's quorum timeout.
+    # A step needs both (min_replicas=2), so that the restarted one heals from the survivor;
+    # with one, whichever reaches the new lighthouse first may step alone for a while, and the
+    # other heals from it when they meet (torchft's rule: the most steps wins).
+    until = tmp_path / "stop"
+    config = {**_config(), "steps": 6, "until": str(until), "outage_s": 30, "min_replicas": 2}
+    job = _replicas.Job(tmp_path, config)
+    try:
+        for k in range(2):
+            job.start(k)
+        _progress(job, 0, 3)
+        job.stop_lighthouse()
+        job.kill(1)
+        job.start(1, restarted=True)  # its Manager finds no lighthouse yet
+        time.sleep(OUTAGE_S)
+        job.start_lighthouse()
+        _progress(job, 1, 1)  # the restarted one healed and committed again
+        committed = _commits(job.log(0))[-1]["step"]
+        _progress(job, 0, committed + 3)  # both train on together
+        until.touch()
+        codes = {k: job.wait(k, 60) for k in range(2)}
+    finally:
+        job.close()
+    assert codes == {0: 0, 1: 0}, job.stderr(0) + job.stderr(1)
+    survivor = [e for e in job.log(0) if e["event"] == "step"]
+    longest = max(b["t"] - a["t"] for a, b in itertools.pairwise(survivor))
+    assert OUTAGE_S <= longest <= OUTAGE_S + SLACK_S + REUSED_QUORUM_S, longest
+    assert not [e for e in job.log(0) + job.log(1) if e["event"] == "no quorum"]
+    restarted = job.log(1)
+    second = [i for i, e in enumerate(restarted) if e["event"] == "start"][1]
+    # It heals from the survivor at its first quorum (a heal whose fetch fails discards that
+    # step on both, and the next heals), and commits nothing before.
+    healed = next(e for e in restarted[second + 1 :] if e.get("healed"))
+    assert not [e for e in restarted[second + 1 :] if e.get("committed") and e["t"] < healed["t"]]
+    assert _identical(job.final(0), job.final(1))
+    assert int(job.final(0).count) == _commits(job.log(0))[-1]["step"]
+    _commits(job.log(1))  # no step applied twice or lost, across the restart
+
+
+@pytest.mark.timeout(120)
+def test_a_lighthouse_that_never_returns_is_fsyncs_error_on_every_replica(tmp_path):
+    # Away for good: each replica's step gives up after quorum_timeout plus lighthouse_outage
+    # and raises fsync's QuorumError, naming the lighthouse and the last quorum (the replica
+    # catches it: exit 4), never torchft's own timeout.
+    quorum_s, outage_s = 3, 4
+    config = {**_config(), "steps": 1000, "quorum_timeout_s": quorum_s, "outage_s": outage_s}
+    job = _replicas.Job(tmp_path, config)
+    try:
+        for k in range(2):
+            job.start(k)
+        _progress(job, 0, 3)
+        _progress(job, 1, 3)
+        job.stop_lighthouse()
+        stopped = time.time()
+        codes = {k: job.wait(k, 90) for k in range(2)}
+    finally:
+        job.close()
+    assert codes == {0: 4, 1: 4}, job.stderr(0) + job.stderr(1)
+    for k in range(2):
+        (lost,) = [e for e in job.log(k) if e["event"] == "no quorum"]
+        assert job.config["lighthouse"] in lost["error"], lost
+        assert "the last quorum" in lost["error"] and "lighthouse_outage" in lost["error"], lost
+        # It waited the budget out, and not much longer.
+        assert outage_s <= lost["t"] - stopped <= quorum_s + outage_s + SLACK_S, lost
 
 
 @pytest.mark.timeout(200)

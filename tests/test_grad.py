@@ -636,6 +636,85 @@ def test_a_call_keeps_no_bucket_once_the_caller_lets_go(world: World):
         assert alive == {"stateless": [False, False], "stateful": [False, False]}, alive
 
 
+# --- what a call costs the host ----------------------------------------------------------------
+
+
+def _on_rank_per_bucket():
+    """How often a call does per-leaf work: hooks registered, buckets packed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(12)))  # 24 leaves
+    params = params_of(model)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def loss(p, x):
+        return torch.func.functional_call(model, p, (x,)).square().mean()
+
+    options = {"bucket_cap_mb": 1e-3, "first_bucket_mb": 1e-3}  # a few leaves a bucket
+    plan = fsync.plan_buckets(params, **options)
+    packed, hooks = [], []
+    pack, register = fsync._pack.pack_grads, torch.Tensor.register_hook
+
+    def counted_pack(grads, spec):
+        packed.append(len(grads))
+        return pack(grads, spec)
+
+    def counted_register(tensor, hook):
+        hooks.append(tensor.shape)
+        return register(tensor, hook)
+
+    fsync._backward._pack.pack_grads = counted_pack
+    torch.Tensor.register_hook = counted_register
+    try:
+        grads, _ = fsync.grad_and_value(loss, **options)(params, x)
+    finally:
+        fsync._backward._pack.pack_grads, torch.Tensor.register_hook = pack, register
+    reference = fsync.sync_grads(torch.func.grad(loss)(params, x), **options)
+    _assert_equal(grads, reference)
+    return len(plan.specs), packed, hooks, [len(spec.leaves) for spec in plan.specs]
+
+
+@pytest.mark.parametrize("world", [1, 2], indirect=True)
+def test_a_call_packs_each_bucket_once_and_hooks_no_leaf(world: World):
+    # The eager call's per-leaf Python was a hook on every leaf; a bucket is now packed once,
+    # from one autograd node, with all its gradients (in plan order of its leaves). With one
+    # rank nothing is packed: the gradients are autograd's own.
+    for buckets, packed, hooks, sizes in world.run(_on_rank_per_bucket):
+        assert buckets > 2 and not hooks
+        assert sorted(packed) == (sorted(sizes) if world.size > 1 else []), (packed, sizes)
+
+
+def _on_rank_alone_layouts():
+    """autograd's gradients that share memory or have another layout, through the call."""
+    conv = torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last)
+    params = {"a": torch.randn(5), "b": torch.randn(5), "c": torch.randn(5), "d": torch.randn(2, 3)}
+    params |= {"conv": conv, "unused": torch.randn(3), "scalar": torch.tensor(2.0)}
+
+    def loss(p):
+        shared = (p["a"] + p["b"]).sum()  # one gradient tensor for both
+        broadcast = p["c"].sum()  # an expanded tensor: stride 0
+        parts = torch.cat([p["d"].reshape(-1), p["scalar"].reshape(1)]).square().sum()  # views
+        image = torch.nn.functional.conv2d(torch.ones(1, 3, 5, 5), p["conv"]).square().sum()
+        return shared + broadcast + parts + image
+
+    grads, _ = fsync.grad_and_value(loss)(params)
+    expected = torch.func.grad(loss)(params)
+    _assert_equal(grads, expected)
+    for name, g in grads.items():
+        assert g.stride() == params[name].stride(), name  # each in its leaf's layout
+    assert torch.count_nonzero(grads["unused"]) == 0
+    storages = [g.untyped_storage().data_ptr() for g in grads.values()]
+    assert len(set(storages)) == len(storages)  # no two results share memory
+    for g in grads.values():
+        g.mul_(2)  # each may be written in place without touching another
+    doubled = {name: 2 * g for name, g in expected.items()}
+    _assert_equal(grads, doubled)
+    return True
+
+
+def test_one_rank_returns_autograds_gradients_each_its_own_and_in_its_layout(single_rank):
+    assert _on_rank_alone_layouts()
+
+
 # --- wrong input ---------------------------------------------------------------------------------
 
 

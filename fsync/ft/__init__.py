@@ -4,7 +4,7 @@
 guide "Fault tolerance" (docs/fault-tolerance.md).
 """
 
-from fsync.ft._torchft import ManagerGroup, ReplicaMesh, lighthouse
+from fsync.ft._torchft import ManagerGroup, QuorumError, ReplicaMesh, lighthouse
 from fsync.ft._transaction import Outcome, Replica
 
-__all__ = ["ManagerGroup", "Outcome", "Replica", "ReplicaMesh", "lighthouse"]
+__all__ = ["ManagerGroup", "Outcome", "QuorumError", "Replica", "ReplicaMesh", "lighthouse"]

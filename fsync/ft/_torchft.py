@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import math
+import os
+import time
 from typing import Any
 
 import torch
@@ -73,6 +76,38 @@ class _Checked:
         return True
 
 
+_LOST = (
+    "no quorum for this step after {seconds:.1f} s: the lighthouse {where} did not form one "
+    "({last}). It may be down or restarting for longer than the replicas wait for it, or "
+    "another replica failed this quorum (a heal). Run the lighthouse so that it comes back "
+    "at the same address (a restart loop or a service manager: docs/fault-tolerance.md), "
+    "or give Replica.connect a longer lighthouse_outage. The state is the last committed "
+    "step's. torchft's error: {kind}: {error}"
+)
+
+
+def lost_quorum(
+    lighthouse: str, last: tuple[Any, int, int] | None, error: Exception, seconds: float
+) -> str:
+    """``_LOST``: the lighthouse, the last quorum (its id, replicas and committed step),
+    torchft's ``error`` and how long it was waited for."""
+    where = f"at {lighthouse}" if lighthouse else "(address unknown to fsync)"
+    if last is None:
+        had = "this replica had no quorum yet"
+    else:
+        had = f"the last quorum ({last[0]}) had {last[1]} replica(s), at committed step {last[2]}"
+    return _LOST.format(
+        where=where, seconds=seconds, last=had, kind=type(error).__name__, error=error
+    )
+
+
+class QuorumError(RuntimeError):
+    """No quorum could be formed for a step of [fsync.ft.Replica.step][]: the lighthouse was
+    away longer than ``Replica.connect``'s ``lighthouse_outage`` (or a heal failed). Raised
+    on every replica that waited, before its step ran: nothing of the step is committed
+    anywhere, and the state the replica holds is its last committed one."""
+
+
 class ManagerGroup(_comm.ReplicaGroup):
     """The replicas of a torchft ``Manager``'s quorum, as an fsync group (eager only).
 
@@ -84,20 +119,29 @@ class ManagerGroup(_comm.ReplicaGroup):
     Args:
         manager: A ``torchft.Manager`` (one per rank of a replica group).
         device: Where small control tensors live (the GPU with NCCL).
+        lighthouse: The lighthouse's address, named where a quorum cannot be had
+            (``$TORCHFT_LIGHTHOUSE`` if not given).
 
     Attributes:
         manager: The ``torchft.Manager`` given.
+        lighthouse: The lighthouse's address as given (``$TORCHFT_LIGHTHOUSE`` if not;
+            ``""`` if neither).
         live: Whether a step's quorum is on (set by [fsync.ft.Replica][]).
         issued: The collectives issued across replicas so far (a transaction
             reads whether its step issued any).
     """
 
-    def __init__(self, manager: Any, *, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, manager: Any, *, device: torch.device | str = "cpu", lighthouse: str | None = None
+    ) -> None:
         self.manager = manager
         self._device = torch.device(device)
         self.live = False
         self.issued = 0
+        # Where the lighthouse is, for the words of a lost quorum (torchft's own fallback).
+        self.lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
         self._quorum: Any = None  # the id of the last step's quorum (torchft's)
+        self._last: tuple[Any, int, int] | None = None  # (id, participants, committed step)
         self._silent: tuple[bool, int] = (False, 0)  # (quorum changed, issued at its start)
 
     def __repr__(self) -> str:
@@ -131,10 +175,7 @@ class ManagerGroup(_comm.ReplicaGroup):
         each ``Work`` (a wake-up of torchft's timer thread, Python callbacks on gloo's):
         the process group's own timeout bounds the collective, ``_Checked`` reports a
         failure to the Manager, and a replica outside the quorum (a spare) contributes
-        zeros. Measured on two gloo ranks of 2 cores (medians of 400 to 30 in a row), an
-        all-reduce of one element took 0.56-0.61 ms through ``Manager.allreduce`` and
-        0.42-0.47 ms this way (0.25 on the process group bare), one of 1 MiB 1.36-1.46
-        against 1.07-1.11 ms, one of 4 MiB 3.7-3.8 against 3.2 ms.
+        zeros. What it costs: docs/fault-tolerance.md, "What a transaction costs".
         """
         if op not in _REDUCE_OPS:
             raise ValueError(
@@ -164,10 +205,25 @@ class ManagerGroup(_comm.ReplicaGroup):
 
     def begin(self) -> None:
         """A step's quorum: torchft's ``start_quorum`` (a heal of this replica happens in
-        it, through the state callbacks), then the group is live until the step ends."""
-        self.manager.start_quorum()
+        it, through the state callbacks), then the group is live until the step ends.
+
+        Raises:
+            QuorumError: torchft gave no quorum (the lighthouse stayed away longer than
+                its Manager retries, or a heal failed); fsync's own errors (a heal that
+                does not fit) pass as they are.
+        """
+        started = time.monotonic()
+        try:
+            self.manager.start_quorum()
+        except (ValueError, TypeError):  # fsync's checks of a state received (at a heal)
+            raise
+        except Exception as error:  # torchft's, of whatever kind: named in fsync's words
+            waited = time.monotonic() - started
+            raise QuorumError(lost_quorum(self.lighthouse, self._last, error, waited)) from error
         last, self._quorum = self._quorum, getattr(self.manager, "_quorum_id", None)
         self._silent = (last is None or last != self._quorum, self.issued)
+        participants, step = self.manager.num_participants(), self.manager.current_step()
+        self._last = (self._quorum, int(participants), int(step))
         self.live = True
 
     def meet_if_silent(self) -> None:
@@ -344,22 +400,37 @@ def _pending(x: _comm.Issued) -> _comm.Pending:
 
 
 def lighthouse(
-    min_replicas: int = 1, *, join_timeout_ms: int = 100, heartbeat_timeout_ms: int = 5000
+    min_replicas: int = 1,
+    *,
+    port: int = 0,
+    join_timeout_ms: int = 100,
+    heartbeat_timeout_ms: int = 5000,
 ) -> Any:
-    """An in-process torchft lighthouse on a free port (``.address()``, ``.shutdown()``).
+    """An in-process torchft lighthouse (``.address()``, ``.shutdown()``) on ``port`` (0:
+    a free one).
 
-    For tests, examples and single-machine jobs; a cluster runs ``torchft_lighthouse``.
+    For tests, examples and single-machine jobs; a cluster runs ``torchft_lighthouse``
+    where it comes back at the same address if it stops (docs/fault-tolerance.md). A
+    lighthouse made again on the port of one shut down is the same one to the replicas.
     ``join_timeout_ms`` is how long a quorum waits for replicas beyond ``min_replicas``.
     ``heartbeat_timeout_ms`` is how long a silent replica still counts as alive: a quorum
     needs more than half of the replicas heard from within it, so with two replicas the
     survivor of a death waits this long (torchft's default, 5 s) before it goes on alone.
     """
     return _module("coordination").LighthouseServer(
-        bind="[::]:0",
+        bind=f"[::]:{port}",
         min_replicas=min_replicas,
         join_timeout_ms=join_timeout_ms,
         heartbeat_timeout_ms=heartbeat_timeout_ms,
     )
+
+
+# While the lighthouse is away a replica tries it again this often: torchft's Manager sleeps
+# (quorum deadline) / (retries + 1) between its quorum's attempts and reconnects for up to
+# the connect timeout, whose backoff (0.1 s, growing 1.5x) stays under a second within it.
+LIGHTHOUSE_RETRY = datetime.timedelta(seconds=1)
+LIGHTHOUSE_CONNECT = datetime.timedelta(seconds=2)
+LIGHTHOUSE_OUTAGE = datetime.timedelta(seconds=60)  # how long it may be away by default
 
 
 def manager(
@@ -369,6 +440,7 @@ def manager(
     min_replicas: int = 1,
     timeout: datetime.timedelta,
     quorum_timeout: datetime.timedelta,
+    lighthouse_outage: datetime.timedelta = LIGHTHOUSE_OUTAGE,
     rank: int = 0,
     world_size: int = 1,
     store: tuple[str, int] | None = None,
@@ -380,6 +452,15 @@ def manager(
     ``store`` is the replica group's TCPStore ``(host, port)``; a one-rank replica
     group (``world_size=1``) starts its own. Quorums are synchronous, so that a
     replica that heals has its state before the step runs.
+
+    A quorum may take ``quorum_timeout`` to form, and the lighthouse may be away for
+    ``lighthouse_outage`` besides (a restart): torchft's quorum deadline is their sum,
+    its attempts a ``LIGHTHOUSE_RETRY`` apart (``quorum_retries``), each reconnecting
+    for ``LIGHTHOUSE_CONNECT``, so that a lighthouse back at its address is found
+    within about a second; without retries a quorum asked while it was away never
+    came (torchft's server does not answer a quorum that failed) and the step raised
+    torchft's timeout. A Manager that cannot reach the lighthouse as it starts (a
+    replica restarted during an outage) is made again until ``lighthouse_outage``.
 
     A replica group of several ranks also gives ``within``, its ranks' c10d group:
     torchft's rank 0 publishes its Manager's address in the store and the other ranks
@@ -404,24 +485,37 @@ def manager(
             "localhost", 0, is_master=True, wait_for_workers=False
         )
         store = ("localhost", own_store.port)
-    made = ft.Manager(
-        pg=ft.ProcessGroupGloo(timeout=timeout),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=min_replicas,
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=quorum_timeout,
-        connect_timeout=quorum_timeout,
-        rank=rank,
-        world_size=world_size,
-        store_addr=store[0],
-        store_port=store[1],
-        lighthouse_addr=lighthouse_addr,
-        replica_id=replica_id,
-        hostname=hostname,
-        port=0,
-    )
+    deadline = quorum_timeout + lighthouse_outage
+    settings = {
+        "pg": ft.ProcessGroupGloo(timeout=timeout),
+        "load_state_dict": None,
+        "state_dict": None,
+        "min_replica_size": min_replicas,
+        "use_async_quorum": False,
+        "timeout": timeout,
+        "quorum_timeout": deadline,
+        "connect_timeout": LIGHTHOUSE_CONNECT,
+        "quorum_retries": max(1, math.ceil(deadline / LIGHTHOUSE_RETRY) - 1),
+        "rank": rank,
+        "world_size": world_size,
+        "store_addr": store[0],
+        "store_port": store[1],
+        "lighthouse_addr": lighthouse_addr,
+        "replica_id": replica_id,
+        "hostname": hostname,
+        "port": 0,
+    }
+    given_up = time.monotonic() + lighthouse_outage.total_seconds()
+    started = time.monotonic()
+    while True:
+        try:
+            made = ft.Manager(**settings)
+            break
+        except RuntimeError as error:  # rank 0's server found no lighthouse in time
+            if rank != 0 or time.monotonic() >= given_up:
+                waited = time.monotonic() - started
+                raise QuorumError(lost_quorum(lighthouse_addr, None, error, waited)) from error
+            time.sleep(LIGHTHOUSE_RETRY.total_seconds())
     made._fsync_store = own_store  # kept alive as long as the Manager
     return made
 

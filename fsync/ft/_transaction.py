@@ -87,6 +87,8 @@ class Replica:
         within: For a replica group of several ranks, the c10d group of its ranks
             (``torch.distributed.group.WORLD`` under a torchrun of its own): ``group``
             is then two-level, a [fsync.ft.ReplicaMesh][].
+        lighthouse: The lighthouse's address, for the words of [fsync.ft.QuorumError][]
+            (``connect`` passes its own).
 
     Attributes:
         manager: The ``torchft.Manager``.
@@ -104,12 +106,17 @@ class Replica:
     """
 
     def __init__(
-        self, manager: Any, *, device: torch.device | str = "cpu", within: Any = None
+        self,
+        manager: Any,
+        *,
+        device: torch.device | str = "cpu",
+        within: Any = None,
+        lighthouse: str | None = None,
     ) -> None:
         if getattr(manager, "_use_async_quorum", False):
             raise ValueError(_ASYNC_QUORUM)
         self.manager = manager
-        self._replicas = _torchft.ManagerGroup(manager, device=device)
+        self._replicas = _torchft.ManagerGroup(manager, device=device, lighthouse=lighthouse)
         self.group: _comm.ReplicaGroup = self._replicas
         if within is not None:
             self.group = _torchft.ReplicaMesh(within, self._replicas)
@@ -125,6 +132,7 @@ class Replica:
         min_replicas: int = 1,
         timeout: datetime.timedelta = datetime.timedelta(seconds=30),
         quorum_timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+        lighthouse_outage: datetime.timedelta = _torchft.LIGHTHOUSE_OUTAGE,
         rank: int = 0,
         world_size: int = 1,
         store: tuple[str, int] | None = None,
@@ -140,6 +148,11 @@ class Replica:
             timeout: How long a collective, a commit or a heal may take: a hung
                 peer costs the survivors this much once.
             quorum_timeout: How long a quorum may take to form.
+            lighthouse_outage: How long the lighthouse may be away (down, or
+                restarting at the same address) before a step gives up: meanwhile
+                a replica asks it again every second or so, and goes on within
+                about a second of its return. A step that gets no quorum within
+                ``quorum_timeout`` plus this raises [fsync.ft.QuorumError][].
             rank: This process's rank within its replica group.
             world_size: The ranks of a replica group (each has its own Manager).
             store: The replica group's TCPStore ``(host, port)`` (torchrun's
@@ -152,6 +165,7 @@ class Replica:
         Raises:
             ValueError: A replica group of several ranks without ``store`` or
                 ``within``.
+            QuorumError: The lighthouse was out of reach for ``lighthouse_outage``.
         """
         made = _torchft.manager(
             lighthouse_addr,
@@ -159,13 +173,14 @@ class Replica:
             min_replicas=min_replicas,
             timeout=timeout,
             quorum_timeout=quorum_timeout,
+            lighthouse_outage=lighthouse_outage,
             rank=rank,
             world_size=world_size,
             store=store,
             hostname=hostname,
             within=within,
         )
-        return cls(made, within=within)
+        return cls(made, within=within, lighthouse=lighthouse_addr)
 
     def step(self, fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Outcome]]:
         """``fn(state, *args) -> (state, value)`` as a transaction across the replicas.
@@ -178,6 +193,9 @@ class Replica:
         Raises:
             ValueError: The state a peer sent does not fit this replica's (at a
                 heal), or the live replicas disagree (``fn``'s sync).
+            QuorumError: No quorum for the step (the lighthouse away longer than
+                the replicas wait for it); raised before ``fn`` runs, so that no
+                replica commits the step.
         """
 
         @functools.wraps(fn)
