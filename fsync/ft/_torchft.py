@@ -23,6 +23,7 @@ quorum. May import: ``_comm`` (and torchft, lazily).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib
 import math
 import os
@@ -101,6 +102,13 @@ def lost_quorum(
     )
 
 
+def _quorum_held(manager: Any, number: Any) -> tuple[Any, int, int]:
+    """The quorum ``manager`` holds, as a lost one names it: the lighthouse's own number
+    (``_Renumbered``'s record; ``number`` where there is none), replicas, committed step."""
+    number = getattr(getattr(manager, "_client", None), "lighthouse_id", number)
+    return (number, int(manager.num_participants()), int(manager.current_step()))
+
+
 class QuorumError(RuntimeError):
     """No quorum could be formed for a step of [fsync.ft.Replica.step][]: the lighthouse was
     away longer than ``Replica.connect``'s ``lighthouse_outage`` (or a heal failed). Raised
@@ -140,8 +148,8 @@ class ManagerGroup(_comm.ReplicaGroup):
         self.issued = 0
         # Where the lighthouse is, for the words of a lost quorum (torchft's own fallback).
         self.lighthouse = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
-        self._quorum: Any = None  # the id of the last step's quorum (torchft's)
-        self._last: tuple[Any, int, int] | None = None  # (id, participants, committed step)
+        self._quorum: Any = None  # the number of the last step's quorum (_Renumbered's)
+        self._last: tuple[Any, int, int] | None = None  # (lighthouse's id, participants, step)
         self._silent: tuple[bool, int] = (False, 0)  # (quorum changed, issued at its start)
 
     def __repr__(self) -> str:
@@ -222,8 +230,7 @@ class ManagerGroup(_comm.ReplicaGroup):
             raise QuorumError(lost_quorum(self.lighthouse, self._last, error, waited)) from error
         last, self._quorum = self._quorum, getattr(self.manager, "_quorum_id", None)
         self._silent = (last is None or last != self._quorum, self.issued)
-        participants, step = self.manager.num_participants(), self.manager.current_step()
-        self._last = (self._quorum, int(participants), int(step))
+        self._last = _quorum_held(self.manager, self._quorum)
         self.live = True
 
     def meet_if_silent(self) -> None:
@@ -460,7 +467,9 @@ def manager(
     within about a second; without retries a quorum asked while it was away never
     came (torchft's server does not answer a quorum that failed) and the step raised
     torchft's timeout. A Manager that cannot reach the lighthouse as it starts (a
-    replica restarted during an outage) is made again until ``lighthouse_outage``.
+    replica restarted during an outage) is made again until ``lighthouse_outage``. Its
+    quorums are numbered by fsync (``_Renumbered``), as a restarted lighthouse reuses
+    numbers.
 
     A replica group of several ranks also gives ``within``, its ranks' c10d group:
     torchft's rank 0 publishes its Manager's address in the store and the other ranks
@@ -517,7 +526,56 @@ def manager(
                 raise QuorumError(lost_quorum(lighthouse_addr, None, error, waited)) from error
             time.sleep(LIGHTHOUSE_RETRY.total_seconds())
     made._fsync_store = own_store  # kept alive as long as the Manager
+    made._client = _Renumbered(made._client)
     return made
+
+
+class _Renumbered:
+    """torchft's ``ManagerClient`` with each quorum given a number no other quorum of the
+    job has, the same on every replica in it.
+
+    torchft reconfigures a Manager's process group only where the quorum's number changes,
+    and rendezvous it under ``torchft/<number>/`` in a replica's store. A restarted
+    lighthouse numbers its quorums from 1 again: where its first had the survivor's last
+    number, the survivor kept its old process group while the restarted replica waited in a
+    new one's rendezvous until the process group's timeout; where it had the number of an
+    older quorum, the rendezvous read that one's stale addresses. Here the number is a hash
+    of the lighthouse's number, the replicas (each id carries its Manager's uuid, new with
+    every restart) and the step at which that quorum formed, and it changes exactly where
+    the lighthouse's number or the replicas do.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._formed: tuple[int, tuple[str, ...]] | None = None  # the lighthouse's id, replicas
+        self._number = -1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    @property
+    def lighthouse_id(self) -> int | None:
+        """The lighthouse's own number of the last quorum (its logs' ``quorum_id``)."""
+        return None if self._formed is None else self._formed[0]
+
+    def _quorum(self, **options: Any) -> Any:
+        quorum = self._client._quorum(**options)
+        formed = (int(quorum.quorum_id), tuple(sorted(quorum.replica_ids)))
+        if formed != self._formed:
+            self._formed = formed
+            digest = hashlib.blake2b(repr((*formed, int(quorum.max_step))).encode(), digest_size=7)
+            self._number = int.from_bytes(digest.digest(), "big")
+        return _Numbered(quorum, self._number)
+
+
+class _Numbered:
+    """A torchft ``QuorumResult`` under another ``quorum_id`` (``_Renumbered``)."""
+
+    def __init__(self, quorum: Any, number: int) -> None:
+        self._quorum, self.quorum_id = quorum, number
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._quorum, name)
 
 
 def _clear_stale_keys(store: Any, rank: int, within: Any) -> None:
