@@ -42,6 +42,15 @@ class Backwards(nn.Module):
         return self.l0(torch.tanh(self.l1(torch.tanh(self.l2(torch.tanh(self.l3(x)))))))
 
 
+def backwards_loss(model: nn.Module):
+    """``loss(params, x)``, the mean square of ``model``'s output (a ``Backwards``, say)."""
+
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x,)).pow(2).mean()
+
+    return loss
+
+
 class Boom(torch.autograd.Function):
     """The identity, whose backward raises on the rank told to."""
 

@@ -101,3 +101,14 @@ def powersgd_full_rank_bound(
 # The ranks' agreement, which every sync sends before its buckets: one all-reduce of 13
 # int64 (see fsync/_agree.py), as (op, dtype, numel).
 AGREEMENT = ("all_reduce", torch.int64, 13)
+
+
+def linear_loss(params: dict[str, torch.Tensor], coefficients: dict[str, torch.Tensor | None]):
+    """sum(p * c) over the leaves of ``coefficients`` (a ``None`` one, or a ``None``
+    parameter, left out), in float64: its gradient is ``c`` in each leaf's dtype (``c`` is
+    float32, held exactly in float64 and rounded once to the leaf's dtype)."""
+    return sum(
+        (params[k].double() * c.double()).sum()
+        for k, c in coefficients.items()
+        if c is not None and params[k] is not None
+    )

@@ -29,7 +29,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fsync
 from fsync import _comm
 from fsync._comm import REPORT_PATIENCE_S
-from tests._models import Backwards, Boom, func_loss, params_of, ref_batch, ref_loss, ref_model
+from tests._models import (
+    Backwards,
+    Boom,
+    backwards_loss,
+    func_loss,
+    params_of,
+    ref_batch,
+    ref_loss,
+    ref_model,
+)
 from tests._world import World, started_early
 
 # Buckets of about one leaf each, so that a tree spans several.
@@ -238,13 +247,6 @@ def test_stateful_hooks_thread_their_state_as_grad_sync_does(world: World):
 # --- the order of collectives --------------------------------------------------------------------
 
 
-def _backwards_loss(model):
-    def loss(params, x):
-        return torch.func.functional_call(model, params, (x,)).pow(2).mean()
-
-    return loss
-
-
 def _on_rank_plan_order():
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -255,11 +257,11 @@ def _on_rank_plan_order():
     assert len(plan.buckets) == 4
     planned = [("torch.float32", spec.numel) for spec in plan.specs]
     with _recorded() as calls:
-        grads = fsync.grad(_backwards_loss(model), **TINY)(params, x)
+        grads = fsync.grad(backwards_loss(model), **TINY)(params, x)
     # The agreement first, then every bucket in the plan's order: the same on every rank.
     assert calls == [("torch.int64", 13), *planned], calls
     assert len(set(map(tuple, _everyone(calls)))) == 1
-    func_grads = torch.func.grad(_backwards_loss(model))(params, x)
+    func_grads = torch.func.grad(backwards_loss(model))(params, x)
     _assert_equal(grads, fsync.sync_grads(func_grads, **TINY))
 
 
@@ -419,7 +421,7 @@ def _on_rank_compiled():
     torch.manual_seed(0)
     model = Backwards()
     params = params_of(model)
-    loss = _backwards_loss(model)
+    loss = backwards_loss(model)
 
     def with_aux(params, x):
         return loss(params, x), x.sum()
@@ -474,7 +476,7 @@ def _on_rank_disagreement():
     model = Backwards()
     params = params_of(model)
     x = torch.randn(3, 8)
-    loss = _backwards_loss(model)
+    loss = backwards_loss(model)
     other = {**params, "l0.bias": torch.zeros(5)} if odd else params
 
     def shape_differs():
@@ -573,7 +575,7 @@ def _on_rank_memory():
     torch.manual_seed(0)
     model = Backwards()
     params = params_of(model)
-    loss = _backwards_loss(model)
+    loss = backwards_loss(model)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
     call = fsync.grad_and_value(loss, **TINY)
     sync = fsync.GradSync(**TINY)

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsync
 from fsync._hierarchy import shard_plan
 from fsync._pack import shard_numel
-from tests._numerics import AGREEMENT, gamma
+from tests._numerics import AGREEMENT, gamma, linear_loss
 from tests._world import World
 
 NODES, LOCAL = 2, 2
@@ -378,15 +378,6 @@ def test_compiled_hierarchical_sync_deferred_sync_and_zero_equal_eager(world: Wo
     world.run(_on_rank_compiled, timeout=500)
 
 
-def _linear_loss(params, coefficients):
-    """sum(p * c): its gradient is ``c``, exactly (float64 holds the float32 products)."""
-    return sum(
-        (p.double() * c.double()).sum()
-        for p, c in zip(params.values(), coefficients.values(), strict=True)
-        if p is not None
-    )
-
-
 def _on_rank_zero():
     mesh = _mesh()
     grads = _grads(dist.get_rank(), torch.float32)
@@ -400,7 +391,7 @@ def _on_rank_zero():
         assert int(state.step) == 1
         # The overlapped call over a loss whose gradient is ``grads``, exactly: the same bits
         # (on a mesh it reduces every bucket before the first update).
-        (overlapped, _), o_state = step.value_and_step(_linear_loss)(
+        (overlapped, _), o_state = step.value_and_step(linear_loss)(
             step.init(params), params, grads
         )
         assert int(o_state.step) == 1

@@ -25,8 +25,17 @@ import fsync
 from fsync import _comm, _tree
 from fsync._comm import REPORT_PATIENCE_S
 from fsync._pack import shard_numel
-from tests._models import Backwards, Boom, func_loss, params_of, ref_batch, ref_loss, ref_model
-from tests._numerics import AGREEMENT
+from tests._models import (
+    Backwards,
+    Boom,
+    backwards_loss,
+    func_loss,
+    params_of,
+    ref_batch,
+    ref_loss,
+    ref_model,
+)
+from tests._numerics import AGREEMENT, linear_loss
 from tests._world import World, started_early
 
 STEPS = 10
@@ -284,14 +293,6 @@ def test_checkpoint_from_4_ranks_resumes_on_2_and_3(tmp_path):
         assert all(r[1] is None for r in results[1:])
 
 
-def _linear_loss(params, coefficients):
-    """sum(p * c) over the leaves, in float64: its gradient is ``c`` in each leaf's dtype
-    (``c`` is float32, held exactly in float64 and rounded once to the leaf's dtype)."""
-    return sum(
-        (params[k].double() * c.double()).sum() for k, c in coefficients.items() if c is not None
-    )
-
-
 def _on_rank_mixed_dtypes(shard_buckets):
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(0)  # the same parameters on every rank
@@ -311,7 +312,7 @@ def _on_rank_mixed_dtypes(shard_buckets):
         assert len(step.layout(step.init(start)).plan.buckets) >= 3
         params = overlapped = start
         state = o_state = step.init(start)
-        call = step.value_and_step(_linear_loss)
+        call = step.value_and_step(linear_loss)
         expected, expected_state = start, opt.init(start)
         for s in range(4):
             g = torch.Generator().manual_seed(1 + s)
@@ -367,7 +368,7 @@ def _on_rank_replicated():
         assert step.shard_group is _comm.ALONE and layout.world_size == 1
         assert len(layout.plan.buckets) >= 3 and set(layout.owners) == {0}
         assert _nbytes(state.opt) == _nbytes(opt.init(start))  # whole on every rank
-        call = step.value_and_step(_linear_loss)
+        call = step.value_and_step(linear_loss)
         params = overlapped = expected = start
         o_state, sync_state, opt_state = state, sync.init(start), opt.init(start)
         for s in range(steps):
@@ -410,7 +411,7 @@ def _on_rank_replicated_compiled():
     params = _mixed_tree()
     lr = torch.tensor(0.1, dtype=torch.float64)
     step = fsync.ops.replicated(fsync.optim.adamw(lr), **SMALL)
-    call = step.value_and_step(_linear_loss)
+    call = step.value_and_step(linear_loss)
     buckets = len(step.layout(step.init(params)).plan.buckets)
     compiled = fsync.compile(call)
     eager = ours = (_cloned(params), step.init(params))
@@ -574,13 +575,6 @@ def test_hooks_returning_whole_buckets_work_when_sharding(world: World):
 TINY = {"bucket_cap_mb": 1e-4, "first_bucket_mb": 1e-4}
 
 
-def _backwards_loss(model):
-    def loss(params, x):
-        return torch.func.functional_call(model, params, (x,)).pow(2).mean()
-
-    return loss
-
-
 def _on_rank_overlap_order(shard_buckets):
     """Backward completes the buckets in the reverse of the plan's order; every rank still
     issues the agreement, then each bucket's reduce in plan order; updating in backward,
@@ -588,7 +582,7 @@ def _on_rank_overlap_order(shard_buckets):
     arrived); on the CPU by default, the gathers after backward, in plan order."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = Backwards()
-    loss = _backwards_loss(model)
+    loss = backwards_loss(model)
     params = params_of(model)
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
     step = fsync.ops.zero(
@@ -656,7 +650,7 @@ def test_overlapped_call_issues_in_plan_order(world: World, shard_buckets):
 def _on_rank_overlap_errors():
     rank = dist.get_rank()
     model = Backwards()
-    loss = _backwards_loss(model)
+    loss = backwards_loss(model)
     params = params_of(model)
     x = torch.randn(3, 8)
     step = fsync.ops.zero(fsync.optim.adam(0.1), **TINY)
@@ -872,7 +866,7 @@ def _on_rank_compiled_mixed(shard_buckets):
     steps = [fsync.ops.zero(o, shard_buckets=shard_buckets, **SMALL) for o in optimizers]
     n_buckets = [len(step.layout(step.init(params)).plan.buckets) for step in steps]
     assert n_buckets[0] >= 3
-    calls = [step.value_and_step(_linear_loss) for step in steps]
+    calls = [step.value_and_step(linear_loss) for step in steps]
 
     def three(pairs, coefficients):
         """Each optimizer's step on its own parameters."""
@@ -918,7 +912,7 @@ def _on_rank_compiled_mixed(shard_buckets):
         for k, p in expected_.items():
             if p is None:
                 continue
-            # The gradients are exact in both (_linear_loss), so only the optimizer's
+            # The gradients are exact in both (linear_loss), so only the optimizer's
             # arithmetic differs: eager rounds every operation to the parameter's dtype
             # (16-bit ones computed in float32 and rounded once each), inductor keeps the
             # intermediates of a piece in registers in float32 and rounds once. A step moves
