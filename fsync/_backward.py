@@ -37,7 +37,7 @@ same group (SyncBatchNorm) are not ordered against them: give those a group of
 their own. Starter threads are kept for the process and reused, one per call in
 flight (``on_starter``): c10d's functional collectives keep about 100 KiB for
 every thread that issues one and never give it back (torch 2.13), so a thread
-made per call grew a training run's memory without bound (1 GB in 5,000 calls).
+made per call would grow a training run's memory without bound.
 
 Owns: one gradient call's buckets, their filling by autograd and their start
 in plan order. May import: layers 1 to 6 (it composes the reduce's stages with

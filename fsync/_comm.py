@@ -368,12 +368,11 @@ def _on_gloo(group: Group) -> bool:
 
 
 # gloo's all-gather and reduce-scatter (c10d's *_coalesced forms, which functional
-# collectives call) are slower than its broadcast and all-to-all over the same bytes: on
-# 2 ranks of a 2-core machine, 33.6 MB took 60-73 ms to all-gather against 16-62 ms as
-# one broadcast per rank, and 73-98 ms to reduce-scatter against 45-64 ms as an
-# all-to-all and a local sum (68.6 against 112 ms on an 8 Gbit/s link). So on gloo a
-# reduce-scatter is always composed from the faster collective, and an all-gather eagerly
-# (compiled, c10d's is as fast: see all_gather). Read at trace time, like the group's name.
+# collectives call) are slower than its broadcast and all-to-all over the same bytes (2
+# ranks, 33.6 MB: all-gather 60-73 ms, a broadcast per rank 16-62; reduce-scatter 73-98 ms,
+# an all-to-all and a local sum 45-64). So on gloo a reduce-scatter is always composed from
+# the faster collective, and an all-gather eagerly (compiled, c10d's is as fast: see
+# all_gather). Read at trace time, like the group's name.
 on_gloo = _trace.constant_result(_on_gloo)
 
 
@@ -458,10 +457,8 @@ def all_gather(x: torch.Tensor, group: Group) -> Issued:
     the result is a ``Pending`` holding the same tensor. Compiled on gloo it is an
     all-to-all of ``x`` repeated once per rank (each rank sends and receives what an
     all-gather would, plus one local copy): gloo's all-gather, with inductor's
-    communication passes keeping several in flight beside all-to-alls, corrupted the
-    heap (SIGABRT "malloc(): unaligned tcache chunk detected" or SIGSEGV in 6 of 8
-    runs of the compiled ZeRO step on the benchmark GPT, 40 rounds each; none in 3 of
-    3 with the all-to-all, nor eagerly). Elsewhere it is the functional all-gather;
+    communication passes keeping several in flight beside all-to-alls, corrupts the
+    heap (see the CHANGELOG). Elsewhere it is the functional all-gather;
     one collective keeps the ranks' graphs free of rank-dependent inputs.
     """
     local = _local("all_gather", x, group)

@@ -25,9 +25,8 @@ from fsync._planner import PlanOptions
 DivideBy = Literal["world", "active"]
 
 # The bucket size limit when none is given: DDP's, and a smaller one on a 2-D mesh, where a
-# bucket crosses nodes while the next is reduce-scattered inside the node (docs/hierarchical.md:
-# on two nodes at 1 Gbit/s, 20 MiB in 12 leaves, 0.79x the flat all-reduce with 4 MiB buckets,
-# 0.80x with 1 and 8 MiB, 0.89x with 25 MiB, whose one big bucket has nothing to overlap).
+# bucket crosses nodes while the next is reduce-scattered inside the node (the sizes measured
+# against each other: docs/hierarchical.md).
 DDP_BUCKET_CAP_MB = 25.0
 MESH_BUCKET_CAP_MB = 4.0
 

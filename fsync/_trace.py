@@ -1,7 +1,7 @@
 """What fsync tells dynamo about its own functions, without importing dynamo.
 
-``import fsync`` must not cost what ``import torch._dynamo`` costs (2.4 s of the
-5.1 s that ``import fsync`` took on a 2-core development machine, 2026-11-28): a process
+``import fsync`` must not cost what ``import torch._dynamo`` costs (seconds on a 2-core
+machine: the CHANGELOG has the figures): a process
 that never compiles (an eager rank, a launcher, a checkpoint reader) would pay it
 for nothing. ``torch.compiler.assume_constant_result`` imports dynamo to set one
 attribute on the function it marks; ``constant_result`` sets the same

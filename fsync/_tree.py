@@ -85,8 +85,8 @@ def alike(trees: Sequence[Any], /) -> Alike | None:
     the tree most code syncs, and an optimizer's update reads its parameters, gradients and
     state this way (the ZeRO step's are one-tensor lists): under ``torch.compile``, dynamo
     traces ``flatten`` through its optree polyfill, which makes a ``PyTreeSpec`` object per
-    node, about 8 ms each on our CPU machines (the GPT's AdamW update, 78 leaves: 3.0 of its
-    step's 9.6 s of tracing), where reading a container directly costs a fraction of that.
+    node, milliseconds each to trace, where reading a container directly costs a fraction
+    of that.
     """
     first = trees[0]
     node = _plain_node(first)
