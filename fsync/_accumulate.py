@@ -24,7 +24,15 @@ from fsync._agree import planned, refuse, verify_plan
 from fsync._hierarchy import shard_plan
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan
-from fsync._reduce import Reduced, init_hook, local_size, reduce_add, reduce_finish, unpack_reduced
+from fsync._reduce import (
+    Reduced,
+    SyncCall,
+    init_hook,
+    local_size,
+    reduce_add,
+    reduce_finish,
+    unpack_reduced,
+)
 from fsync._serialization import register_state
 
 
@@ -266,19 +274,17 @@ class DeferredSync:
         return rebuild(unpack_reduced(reduced, plan)), new_state
 
 
+def _call(sync: DeferredSync, state: DeferredState) -> SyncCall:
+    """The sync of ``state``'s step, as the reduce's stages take it."""
+    return SyncCall(sync.options, sync.group, state.hook, state.step, state.fingerprint)
+
+
 def _reduce_add(
     sync: DeferredSync, leaves: list[Any], plan: BucketPlan, state: DeferredState
 ) -> list[torch.Tensor]:
     """``reduce_add`` at the state's step, a collective that fails in it named."""
     return _comm.naming(
-        lambda: reduce_add(
-            leaves,
-            plan,
-            sync.options,
-            sync.group,
-            step=state.step,
-            state_fingerprint=state.fingerprint,
-        ),
+        lambda: reduce_add(leaves, plan, _call(sync, state)),
         sync.group,
         step=state.step,
     )
@@ -287,16 +293,7 @@ def _reduce_add(
 def _reduce_finish(sync: DeferredSync, plan: BucketPlan, state: DeferredState) -> Reduced:
     """``reduce_finish`` of the state's shards at its step, a failed collective named."""
     return _comm.naming(
-        lambda: reduce_finish(
-            state.shards,
-            state.micro,
-            plan,
-            sync.options,
-            state.hook,
-            sync.group,
-            step=state.step,
-            state_fingerprint=state.fingerprint,
-        ),
+        lambda: reduce_finish(state.shards, state.micro, plan, _call(sync, state)),
         sync.group,
         step=state.step,
     )

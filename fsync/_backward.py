@@ -60,11 +60,11 @@ import torch
 from fsync import _checks, _comm, _pack, _tree
 from fsync._agree import Agreed, Agreement, begin, refuse
 from fsync._hook import Hook, SyncContext
-from fsync._options import SyncOptions
 from fsync._plan import BucketPlan
 from fsync._reduce import (
     Pipeline,
     Reduced,
+    SyncCall,
     alone,
     context,
     finish_bucket,
@@ -498,23 +498,21 @@ def synced_backward(
     value_of: Callable[[Any], torch.Tensor],
     leaves: Sequence[torch.Tensor | None],
     plan: BucketPlan,
-    options: SyncOptions,
-    hook_state: Any,
-    group: _comm.Group,
+    call: SyncCall,
     *,
-    step: torch.Tensor | None = None,
-    state_fingerprint: torch.Tensor | None = None,
     stages: Callable[[BucketPlan, Hook, Any, _comm.Group, Agreement], Stages[_R]],
 ) -> tuple[_R, Any]:
     """``fn`` on ``leaves`` made differentiable, one backward of ``value_of(output)``
     that syncs as it runs: what ``stages`` made of the plan's buckets, and ``fn``'s output.
 
     ``fn(differentiable_leaves)`` is the forward pass; ``leaves`` fit ``plan``
-    (its tensor leaves, in flatten order). ``stages`` says what happens to the
+    (its tensor leaves, in flatten order); ``call`` is the sync's options, group, hook
+    state, step and fingerprint. ``stages`` says what happens to the
     complete buckets: ``Reducer`` reduces them, as
     [fsync.grad_and_value][] does; the ZeRO step's gradient call updates and
     gathers them too.
     """
+    group = call.group
     try:
         _checks.check_differentiable(plan)
     except TypeError as error:
@@ -522,11 +520,11 @@ def synced_backward(
     buckets = Buckets(plan)
     inputs, token = buckets.inputs(leaves)
     output, value = _forward(fn, value_of, inputs, group)
-    has = buckets.reachable(value) if options.find_unused else [True] * sum(map(len, plan.buckets))
-    terms_ = terms(options, group, hook_state, step=step, state_fingerprint=state_fingerprint)
+    everything = [True] * sum(map(len, plan.buckets))
+    has = buckets.reachable(value) if call.options.find_unused else everything
     start = _comm.sequence_number(group)
-    agreement = begin(plan, has, group, terms_)
-    reducer = stages(plan, hook_of(options), hook_state, group, agreement)
+    agreement = begin(plan, has, group, terms(call))
+    reducer = stages(plan, hook_of(call.options), call.hook_state, group, agreement)
     buckets.skip([not used for used in has])
     buckets.run(reducer.start)
     try:
@@ -541,7 +539,7 @@ def synced_backward(
         buckets.join()
         return reducer.finish(), output
     except _comm.CollectiveError as failure:
-        raise _comm.named(failure, group, start, step=step) from failure
+        raise _comm.named(failure, group, start, step=call.step) from failure
 
 
 def _forward(

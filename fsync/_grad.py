@@ -28,7 +28,7 @@ from fsync._agree import check_alone, refuse
 from fsync._backward import Reducer, TorchFunc, plain_backward, synced_backward
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._planner import Planned
-from fsync._reduce import gives_back, init_hook, sync_tree, unpack_reduced
+from fsync._reduce import SyncCall, gives_back, init_hook, sync_tree, unpack_reduced
 
 
 def grad_and_value(
@@ -122,9 +122,7 @@ def grad_and_value(
             settings.value,
             leaves,
             plan,
-            sync_options,
-            state,
-            group,
+            SyncCall(sync_options, group, state),
             stages=Reducer,
         )
         return settings.result(rebuild(unpack_reduced(reduced, plan)), output)
@@ -214,17 +212,11 @@ def stateful(
                 grads, output = plain_backward(forward, settings.value, leaves, plan, sync.group)
                 hook_state = state.hook
             else:
+                sync_call = SyncCall(
+                    sync.options, sync.group, state.hook, state.step, state.fingerprint
+                )
                 reduced, output = synced_backward(
-                    forward,
-                    settings.value,
-                    leaves,
-                    plan,
-                    sync.options,
-                    state.hook,
-                    sync.group,
-                    step=state.step,
-                    state_fingerprint=state.fingerprint,
-                    stages=Reducer,
+                    forward, settings.value, leaves, plan, sync_call, stages=Reducer
                 )
                 grads, hook_state = unpack_reduced(reduced, plan), reduced.hook_state
             state = state._replace(hook=hook_state, step=state.step + 1)

@@ -60,6 +60,19 @@ _HOOK_RESULT = (
 )
 
 
+class SyncCall(NamedTuple):
+    """What one sync runs with besides its leaves and plan, built once by each entry point
+    and passed down the stages: the options, the group, the hook's state and, where a state
+    carries them, the sync's sequence number (its step count) and the fingerprint of the
+    plan that state was made for (the ranks compare both, see ``terms``)."""
+
+    options: SyncOptions
+    group: _comm.Group
+    hook_state: Any = ()
+    step: torch.Tensor | None = None
+    fingerprint: torch.Tensor | None = None
+
+
 class Reduced(NamedTuple):
     """What one reduce returns.
 
@@ -175,53 +188,40 @@ def context(
 def agree_and_pack(
     leaves: Sequence[torch.Tensor | None],
     plan: BucketPlan,
-    options: SyncOptions,
-    group: _comm.Group,
+    call: SyncCall,
     *,
-    hook_state: Any = (),
     active: bool = True,
-    step: torch.Tensor | None = None,
-    state_fingerprint: torch.Tensor | None = None,
     stage: str = "sync",
 ) -> tuple[Agreed, list[torch.Tensor]]:
     """The ranks' agreement on this sync, and every bucket packed (eagerly, meanwhile).
 
     ``leaves`` must already fit ``plan`` (see ``fit_tree``). The ranks agree
-    (``_agree.agree_on``) on the plan and the ``terms``: the options, the
-    ``stage``, the sync's sequence number ``step`` (a state's step count), that
-    ``state_fingerprint`` (the fingerprint of the plan a state was made for) is
-    the plan's, and the metadata of ``hook_state``. A rank with ``active=False``
-    packs zeros.
+    (``_agree.agree_on``) on the plan and the ``terms`` of ``call`` at ``stage``. A
+    rank with ``active=False`` packs zeros.
     """
     if not active:
         leaves = [None] * len(leaves)
     return agree_on(
         plan,
         leaves,
-        group,
-        terms(options, group, hook_state, stage, active, step, state_fingerprint),
+        call.group,
+        terms(call, stage, active),
         pack=functools.partial(_pack_after, leaves, plan),
     )
 
 
-def terms(
-    options: SyncOptions,
-    group: _comm.Group,
-    hook_state: Any = (),
-    stage: str = "sync",
-    active: bool = True,
-    step: torch.Tensor | None = None,
-    state_fingerprint: torch.Tensor | None = None,
-) -> Terms:
-    """What the ranks compare at a sync with ``options`` (see ``_agree.Terms``)."""
+def terms(call: SyncCall, stage: str = "sync", active: bool = True) -> Terms:
+    """What the ranks compare at a sync (see ``_agree.Terms``): ``call``'s options, the
+    ``stage``, its sequence number (a state's step count), that its fingerprint (of the
+    plan a state was made for) is the plan's, and the metadata of its hook state."""
     return Terms(
-        agreed_spec(hook_of(options), group, stage),
-        options.find_unused,
-        options.divide_by,
+        agreed_spec(hook_of(call.options), call.group, stage),
+        call.options.find_unused,
+        call.options.divide_by,
         active,
-        step,
-        state_fingerprint,
-        state_words(hook_state),
+        call.step,
+        call.fingerprint,
+        state_words(call.hook_state),
     )
 
 
@@ -519,85 +519,51 @@ def with_sparse(
 def reduce(
     leaves: Sequence[torch.Tensor | None],
     plan: BucketPlan,
-    options: SyncOptions,
-    hook_state: Any,
-    group: _comm.Group,
+    call: SyncCall,
     *,
     active: bool = True,
-    step: torch.Tensor | None = None,
-    state_fingerprint: torch.Tensor | None = None,
 ) -> Reduced:
     """One whole sync: agree and pack, every bucket reduced, sparse ones averaged.
 
     The callers have checked what they could before it (``check_sparse`` with
     ``agreed=False`` among it), refusing what they found (``_agree.refuse``).
     """
-    hook = hook_of(options)
-    agreed, buffers = agree_and_pack(
-        leaves,
-        plan,
-        options,
-        group,
-        hook_state=hook_state,
-        active=active,
-        step=step,
-        state_fingerprint=state_fingerprint,
-    )
+    hook = hook_of(call.options)
+    agreed, buffers = agree_and_pack(leaves, plan, call, active=active)
     check_sparse(plan, hook, agreed=True)
-    ctx = context(plan, group, agreed.divisor)
-    out, hook_state = reduce_dense(dense(buffers, plan), hook, hook_state, ctx)
+    ctx = context(plan, call.group, agreed.divisor)
+    out, hook_state = reduce_dense(dense(buffers, plan), hook, call.hook_state, ctx)
     return Reduced(with_sparse(out, buffers, plan, ctx), agreed.used, hook_state)
 
 
 def reduce_add(
-    leaves: Sequence[torch.Tensor | None],
-    plan: BucketPlan,
-    options: SyncOptions,
-    group: _comm.Group,
-    *,
-    step: torch.Tensor | None = None,
-    state_fingerprint: torch.Tensor | None = None,
+    leaves: Sequence[torch.Tensor | None], plan: BucketPlan, call: SyncCall
 ) -> list[torch.Tensor]:
     """A deferred reduce's first part: agree, pack, reduce-scatter within the node.
 
     Per dense bucket, this rank's within-node shard of the node's sum (the whole
     bucket where every rank is a node of its own, a 1-D group): what
-    [fsync.DeferredSync][] accumulates over micro-batches.
+    [fsync.DeferredSync][] accumulates over micro-batches. The hook's state is not
+    compared here (it is not used before ``reduce_finish``).
     """
-    _, buffers = agree_and_pack(
-        leaves,
-        plan,
-        options,
-        group,
-        step=step,
-        state_fingerprint=state_fingerprint,
-        stage="add",
-    )
-    return reduce_within(dense(buffers, plan), _levels(group)[1])
+    _, buffers = agree_and_pack(leaves, plan, call._replace(hook_state=()), stage="add")
+    return reduce_within(dense(buffers, plan), _levels(call.group)[1])
 
 
 def reduce_finish(
-    shards: Sequence[torch.Tensor],
-    micro: torch.Tensor,
-    plan: BucketPlan,
-    options: SyncOptions,
-    hook_state: Any,
-    group: _comm.Group,
-    *,
-    step: torch.Tensor | None = None,
-    state_fingerprint: torch.Tensor | None = None,
+    shards: Sequence[torch.Tensor], micro: torch.Tensor, plan: BucketPlan, call: SyncCall
 ) -> Reduced:
     """A deferred reduce's last part: the hook across nodes on accumulated shards, then gather.
 
     ``shards`` (as ``reduce_add`` returned them, summed over ``micro``
     micro-batches) are divided by ``micro`` times the world size.
     """
-    hook = hook_of(options)
+    hook, hook_state, group = hook_of(call.options), call.hook_state, call.group
     agreed, held = agree_on(
         plan,
         [None] * len(plan.leaves),
         group,
-        terms(options, group, hook_state, "finish", False, step, state_fingerprint),
+        terms(call, "finish", False),
         pack=functools.partial(_after, shards),
     )
     ctx = context(plan, group, agreed.divisor)
@@ -637,7 +603,7 @@ def sync_tree(grads: Any, options: SyncOptions, group: _comm.Group, *, active: b
     except (ValueError, TypeError) as error:
         return refuse(error, group, like=grads)
     reduced = _comm.naming(
-        lambda: reduce(leaves, plan, options, state, group, active=active), group
+        lambda: reduce(leaves, plan, SyncCall(options, group, state), active=active), group
     )
     return rebuild(unpack_reduced(reduced, plan))
 

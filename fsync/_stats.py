@@ -22,7 +22,7 @@ from fsync._hierarchy import shard_plan
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan, MiB, count
 from fsync._planner import plan_tree
-from fsync._reduce import init_hook, local_size, reduce, reduce_add, reduce_finish
+from fsync._reduce import SyncCall, init_hook, local_size, reduce, reduce_add, reduce_finish
 
 
 class SyncStats(NamedTuple):
@@ -195,9 +195,10 @@ def sync_stats(
     hook_state = init_hook(sync_options, plan, recorder) if state is None else state
     with torch.no_grad():
         if not micro_batches:
-            reduce(leaves, plan, sync_options, hook_state, recorder)
+            reduce(leaves, plan, SyncCall(sync_options, recorder, hook_state))
         else:
-            _deferred_step(leaves, plan, sync_options, hook_state, recorder, micro_batches)
+            call = SyncCall(sync_options, recorder, hook_state)
+            _deferred_step(leaves, plan, call, micro_batches)
     buckets = tuple(c for c in recorder.calls if not c.control)
     return SyncStats(
         buckets=len(dense),
@@ -216,18 +217,13 @@ def _positive(n: Any) -> bool:
 
 
 def _deferred_step(
-    leaves: list[torch.Tensor | None],
-    plan: BucketPlan,
-    options: SyncOptions,
-    hook_state: Any,
-    recorder: _comm.Recorder,
-    micro_batches: int,
+    leaves: list[torch.Tensor | None], plan: BucketPlan, call: SyncCall, micro_batches: int
 ) -> None:
     """One [fsync.DeferredSync][] step's reduces: ``add`` per micro-batch, then ``finish``."""
     for _ in range(micro_batches):
-        reduce_add(leaves, plan, options, recorder)
+        reduce_add(leaves, plan, call)
     shards = [
         torch.zeros(s.numel, dtype=s.dtype, device=s.device)
-        for s in shard_plan(plan, local_size(recorder)).specs
+        for s in shard_plan(plan, local_size(call.group)).specs
     ]
-    reduce_finish(shards, torch.tensor(micro_batches), plan, options, hook_state, recorder)
+    reduce_finish(shards, torch.tensor(micro_batches), plan, call)

@@ -24,6 +24,7 @@ from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan
 from fsync._reduce import (
     Reduced,
+    SyncCall,
     check_sparse,
     hook_of,
     init_hook,
@@ -275,12 +276,8 @@ def _reduced(
         lambda: reduce(
             leaves,
             plan,
-            sync.options,
-            state.hook,
-            sync.group,
+            SyncCall(sync.options, sync.group, state.hook, state.step, state.fingerprint),
             active=active,
-            step=state.step,
-            state_fingerprint=state.fingerprint,
         ),
         sync.group,
         step=state.step,

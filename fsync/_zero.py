@@ -52,7 +52,7 @@ from fsync._backward import TorchFunc, synced_backward
 from fsync._hook import Hook
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan
-from fsync._reduce import agree_and_pack, context, dense, hook_of, init_hook
+from fsync._reduce import SyncCall, agree_and_pack, context, dense, hook_of, init_hook
 from fsync._zero_layout import (
     ZeroLayout,
     ZeroState,
@@ -302,11 +302,7 @@ def _overlapped_call(
             settings.value,
             p_leaves,
             plan,
-            step.options,
-            state.hook,
-            step.group,
-            step=state.step,
-            state_fingerprint=state.layout[0],
+            _sync_call(step, state),
             stages=functools.partial(stages, in_backward=in_backward),
         )
         new_state = state._replace(hook=hook_state, opt=opt_state, step=state.step + 1)
@@ -314,6 +310,12 @@ def _overlapped_call(
         return settings.result(params, output), new_state
 
     return call
+
+
+def _sync_call(step: ZeroStep, state: ZeroState) -> SyncCall:
+    """The sync of ``state``'s step, as the reduce's stages take it (the fingerprint is its
+    layout's plan's)."""
+    return SyncCall(step.options, step.group, state.hook, state.step, state.layout[0])
 
 
 def _fresh(step: ZeroStep, params: Any, layout: ZeroLayout, opt_state: Any) -> ZeroState:
@@ -348,15 +350,7 @@ def _stepped(
 ) -> tuple[list[torch.Tensor], Any, Any]:
     """The step's stages after the gradients exist: agree and pack, every reduce issued (one
     hook call over all buckets), then bucket after bucket updated and gathered."""
-    agreed, buckets = agree_and_pack(
-        grads,
-        layout.plan,
-        step.options,
-        step.group,
-        hook_state=state.hook,
-        step=state.step,
-        state_fingerprint=state.layout[0],
-    )
+    agreed, buckets = agree_and_pack(grads, layout.plan, _sync_call(step, state))
     # Each rank needs only its shard of a bucket: the hook may reduce-scatter it.
     ctx = context(layout.plan, step.group, agreed.divisor, scatter=step.shard_buckets)
     pipeline = ZeroPipeline(
