@@ -274,17 +274,12 @@ class DeferredSync:
         return rebuild(unpack_reduced(reduced, plan)), new_state
 
 
-def _call(sync: DeferredSync, state: DeferredState) -> SyncCall:
-    """The sync of ``state``'s step, as the reduce's stages take it."""
-    return SyncCall(sync.options, sync.group, state.hook, state.step, state.fingerprint)
-
-
 def _reduce_add(
     sync: DeferredSync, leaves: list[Any], plan: BucketPlan, state: DeferredState
 ) -> list[torch.Tensor]:
     """``reduce_add`` at the state's step, a collective that fails in it named."""
     return _comm.naming(
-        lambda: reduce_add(leaves, plan, _call(sync, state)),
+        lambda: reduce_add(leaves, plan, SyncCall.at(sync, state)),
         sync.group,
         step=state.step,
     )
@@ -293,7 +288,7 @@ def _reduce_add(
 def _reduce_finish(sync: DeferredSync, plan: BucketPlan, state: DeferredState) -> Reduced:
     """``reduce_finish`` of the state's shards at its step, a failed collective named."""
     return _comm.naming(
-        lambda: reduce_finish(state.shards, state.micro, plan, _call(sync, state)),
+        lambda: reduce_finish(state.shards, state.micro, plan, SyncCall.at(sync, state)),
         sync.group,
         step=state.step,
     )

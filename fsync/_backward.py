@@ -520,8 +520,10 @@ def synced_backward(
     buckets = Buckets(plan)
     inputs, token = buckets.inputs(leaves)
     output, value = _forward(fn, value_of, inputs, group)
-    everything = [True] * sum(map(len, plan.buckets))
-    has = buckets.reachable(value) if call.options.find_unused else everything
+    if call.options.find_unused:
+        has = buckets.reachable(value)
+    else:
+        has = [True] * sum(map(len, plan.buckets))
     start = _comm.sequence_number(group)
     agreement = begin(plan, has, group, terms(call))
     reducer = stages(plan, hook_of(call.options), call.hook_state, group, agreement)

@@ -212,11 +212,8 @@ def stateful(
                 grads, output = plain_backward(forward, settings.value, leaves, plan, sync.group)
                 hook_state = state.hook
             else:
-                sync_call = SyncCall(
-                    sync.options, sync.group, state.hook, state.step, state.fingerprint
-                )
                 reduced, output = synced_backward(
-                    forward, settings.value, leaves, plan, sync_call, stages=Reducer
+                    forward, settings.value, leaves, plan, SyncCall.at(sync, state), stages=Reducer
                 )
                 grads, hook_state = unpack_reduced(reduced, plan), reduced.hook_state
             state = state._replace(hook=hook_state, step=state.step + 1)

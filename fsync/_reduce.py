@@ -72,6 +72,12 @@ class SyncCall(NamedTuple):
     step: torch.Tensor | None = None
     fingerprint: torch.Tensor | None = None
 
+    @classmethod
+    def at(cls, owner: Any, state: Any) -> SyncCall:
+        """The sync of ``state``'s step: ``owner``'s options and group (a ``GradSync``'s, a
+        ``DeferredSync``'s), the state's hook state, step count and plan fingerprint."""
+        return cls(owner.options, owner.group, state.hook, state.step, state.fingerprint)
+
 
 class Reduced(NamedTuple):
     """What one reduce returns.

@@ -193,11 +193,11 @@ def sync_stats(
     size = shape[0] * shape[-1] if len(shape) == 2 else shape[0]
     recorder = _comm.Recorder(size, shape=shape if len(shape) == 2 else ())
     hook_state = init_hook(sync_options, plan, recorder) if state is None else state
+    call = SyncCall(sync_options, recorder, hook_state)
     with torch.no_grad():
         if not micro_batches:
-            reduce(leaves, plan, SyncCall(sync_options, recorder, hook_state))
+            reduce(leaves, plan, call)
         else:
-            call = SyncCall(sync_options, recorder, hook_state)
             _deferred_step(leaves, plan, call, micro_batches)
     buckets = tuple(c for c in recorder.calls if not c.control)
     return SyncStats(

@@ -276,7 +276,7 @@ def _reduced(
         lambda: reduce(
             leaves,
             plan,
-            SyncCall(sync.options, sync.group, state.hook, state.step, state.fingerprint),
+            SyncCall.at(sync, state),
             active=active,
         ),
         sync.group,
