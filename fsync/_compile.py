@@ -6,7 +6,7 @@ import functools
 import hashlib
 import pathlib
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 
@@ -53,15 +53,23 @@ CACHE_OPTIONS: dict[str, Any] = {
 }
 
 
-class ScaleBeforeConcat:
-    """An inductor pass: ``cat(xs) * c`` becomes ``cat([x * c for x in xs])``.
+# Buckets of up to this many leaves are lowered into one ``cat`` on the CPU, which inductor's
+# C++ backend turns into one loop fused with the scale; beyond it the generated kernel, and
+# its compile time, grow with every leaf, and the pack stays one opaque op.
+FUSED_CAT_LEAVES = 32
 
-    A bucket is packed by concatenating its leaves and then divided by the world
-    size; inductor copies the leaves into the bucket in one loop and multiplies the
-    bucket in a second one. Scaling each leaf on its way into the bucket gives the
-    same bits (an elementwise product by a scalar does not care where the element
-    sits) in one pass over memory instead of two. Only floating-point
-    concatenations with a single user and a Python scalar factor are rewritten.
+
+class PackPass:
+    """fsync's inductor pass over the post-grad graph: the pack's scale, then its lowering.
+
+    Every dense bucket reaches this pass as one ``fsync::pack`` op (``_pack.pack_op``).
+    First the mean's ``bucket * (1 / world_size)`` moves into it (``fold_scale``), so a
+    bucket is written once, scaled, instead of written and rescaled: the same bits, an
+    elementwise product by a scalar does not care where the element sits. Then, where
+    inductor fuses a concatenation of many inputs into one kernel (its C++ backend, on the
+    CPU), a pack of up to ``FUSED_CAT_LEAVES`` leaves becomes that ``cat`` of scaled leaves
+    (``lower_pack``); on CUDA, whose ``cat`` of more than 8 inputs is a kernel per input,
+    and for more leaves, the op stays whole.
 
     An inductor ``CustomGraphPass`` (its ``uuid`` keys inductor's cache), registered as
     one by [fsync.compile][] rather than subclassed here: importing inductor's interface
@@ -69,22 +77,9 @@ class ScaleBeforeConcat:
     """
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        for mul in list(graph.nodes):
-            match = _scaled_concat(mul)
-            if match is None:
-                continue
-            cat, parts, factor = match
-            with graph.inserting_before(mul):
-                scaled = []
-                for part in parts:
-                    node = graph.call_function(mul.target, (part, factor))
-                    node.meta = dict(part.meta)  # same shape, strides and dtype as the part
-                    scaled.append(node)
-                fused = graph.call_function(torch.ops.aten.cat.default, (scaled, *cat.args[1:]))
-            fused.meta = dict(mul.meta)
-            mul.replace_all_uses_with(fused)
-            graph.erase_node(mul)
-            graph.erase_node(cat)
+        for node in list(graph.nodes):
+            if node.op == "call_function" and node.target is torch.ops.fsync.pack.default:
+                lower_pack(graph, fold_scale(graph, node))
 
     def uuid(self) -> Any:
         """This file's hash: inductor's cache key for the pass (a new fsync, a new key)."""
@@ -97,32 +92,89 @@ def _source_hash() -> bytes:
     return hashlib.sha256(pathlib.Path(__file__).read_bytes()).digest()
 
 
-def _scaled_concat(
-    mul: torch.fx.Node,
-) -> tuple[torch.fx.Node, list[torch.fx.Node], int | float] | None:
-    """``(cat, parts, factor)`` when ``mul`` is ``cat(parts) * factor`` that can be rewritten."""
+class _PackArgs(NamedTuple):
+    """A ``fsync::pack`` node's arguments (``_pack.pack_op``'s)."""
+
+    parts: list[torch.fx.Node]
+    after: torch.fx.Node | None
+    dtype: torch.dtype
+    factor: float
+
+
+def _args_of(pack: torch.fx.Node) -> _PackArgs:
+    return _PackArgs(*cast(tuple[Any, ...], pack.args))
+
+
+def fold_scale(graph: torch.fx.Graph, pack: torch.fx.Node) -> torch.fx.Node:
+    """``pack(..., 1.0) * c`` as ``pack(..., c)`` where the product is the pack's one user
+    and ``c`` a Python number; the pack node that holds the product."""
+    parts, after, dtype, factor = _args_of(pack)
+    if len(pack.users) != 1 or factor != 1.0:
+        return pack
+    (user,) = pack.users
+    if not _is_scaling(user, pack):
+        return pack
+    with graph.inserting_before(user):
+        c = float(cast(float, user.args[1]))
+        scaled = graph.call_function(torch.ops.fsync.pack.default, (parts, after, dtype, c))
+    scaled.meta = dict(user.meta)  # the product's value: the pack's, of the same dtype
+    user.replace_all_uses_with(scaled)
+    graph.erase_node(user)
+    graph.erase_node(pack)
+    return scaled
+
+
+def _is_scaling(node: torch.fx.Node, pack: torch.fx.Node) -> bool:
+    """Whether ``node`` is ``pack * c`` of a Python number ``c``, giving the pack's floating
+    point dtype (an integer bucket times a float would not be one)."""
     aten = torch.ops.aten
-    if mul.op != "call_function" or mul.target not in (aten.mul.Tensor, aten.mul.Scalar):
-        return None
-    if mul.kwargs or len(mul.args) != 2:
-        return None
-    cat, factor = mul.args
-    if not isinstance(cat, torch.fx.Node) or cat.target is not aten.cat.default:
-        return None
-    if len(cat.users) != 1 or isinstance(factor, bool) or not isinstance(factor, (int, float)):
-        return None
-    value = cat.meta.get("val")
-    parts = cat.args[0]
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-        return None
-    if not isinstance(parts, (list, tuple)) or not all(
-        isinstance(part, torch.fx.Node)
-        and isinstance(part.meta.get("val"), torch.Tensor)
-        and part.meta["val"].dtype == value.dtype
-        for part in parts
-    ):
-        return None
-    return cat, [part for part in parts if isinstance(part, torch.fx.Node)], factor
+    if node.op != "call_function" or node.target not in (aten.mul.Tensor, aten.mul.Scalar):
+        return False
+    if node.kwargs or len(node.args) != 2 or node.args[0] is not pack:
+        return False
+    factor, value = node.args[1], node.meta.get("val")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        return False
+    dtype = pack.meta["val"].dtype
+    return isinstance(value, torch.Tensor) and value.dtype == dtype and dtype.is_floating_point
+
+
+def lower_pack(graph: torch.fx.Graph, pack: torch.fx.Node) -> None:
+    """``pack`` as the ``cat`` of its scaled leaves where inductor makes that one kernel.
+
+    The leaves' arithmetic is the op's, in its order: each leaf flattened, times the
+    agreement's token (``x * True`` is ``x``; the product keeps the agreement an input of
+    the kernel), cast to the bucket's dtype, times the factor.
+    """
+    parts, after, dtype, factor = _args_of(pack)
+    value = pack.meta["val"]
+    if value.device.type != "cpu" or len(parts) > FUSED_CAT_LEAVES:
+        return
+    aten, prims = torch.ops.aten, torch.ops.prims
+    with graph.inserting_before(pack):
+        flats = []
+        for part in parts:
+            if part.meta["val"].dim() != 1:
+                part = _call(graph, aten.reshape.default, part, [-1])
+            if after is not None:
+                part = _call(graph, aten.mul.Tensor, part, after)
+            if part.meta["val"].dtype != dtype:
+                part = _call(graph, prims.convert_element_type.default, part, dtype)
+            if factor != 1.0:
+                part = _call(graph, aten.mul.Tensor, part, factor)
+            flats.append(part)
+        cat = _call(graph, aten.cat.default, flats)
+    pack.replace_all_uses_with(cat)
+    graph.erase_node(pack)
+
+
+def _call(graph: torch.fx.Graph, target: Any, *args: Any) -> torch.fx.Node:
+    """A new node ``target(*args)`` whose value (``meta["val"]``) is computed on its
+    inputs' values (fake tensors, which carry their device and strides)."""
+    node = graph.call_function(target, args)
+    values = torch.fx.node.map_arg(args, lambda arg: arg.meta["val"])
+    node.meta["val"] = target(*values)
+    return node
 
 
 def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs: Any) -> _F:
@@ -132,12 +184,14 @@ def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs
     bucket's collective is issued as soon as its gradients exist and waited for
     only where its result is used, which lets communication run during the rest
     of the backward pass (the overlap DDP gets from autograd hooks, here from
-    the compiler). In either case a post-grad pass (``ScaleBeforeConcat``)
-    moves the ``1/world_size`` scaling of each bucket into the kernel that packs
-    it, so a bucket is written once instead of written and rescaled; the bits are
-    the same. Graphs holding a ``torch.cond`` (PowerSGD's ``start_step``,
-    DiLoCo's outer step) are kept in inductor's caches like any other
-    (``CACHE_OPTIONS``), so a new process loads them instead of compiling again.
+    the compiler). In either case a post-grad pass (``PackPass``) moves the
+    ``1/world_size`` scaling of each bucket into the op that packs it, so a bucket
+    is written once instead of written and rescaled, and lowers that op for the
+    device: on the CPU a ``cat`` that inductor fuses into one loop, on CUDA one op
+    whose kernel does not grow with the bucket's leaves; the bits are the same.
+    Graphs holding a ``torch.cond`` (PowerSGD's ``start_step``, DiLoCo's outer
+    step) are kept in inductor's caches like any other (``CACHE_OPTIONS``), so a
+    new process loads them instead of compiling again.
     Everything else is ``torch.compile``; ``options=`` given here are applied on
     top (``options={"post_grad_custom_post_pass": None}`` turns the pass off).
 
@@ -173,9 +227,9 @@ def compile(fn: _F, /, *, overlap: bool = True, fullgraph: bool = True, **kwargs
     # torch.compile imports inductor anyway; its pass interface is registered once loaded.
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    CustomGraphPass.register(ScaleBeforeConcat)
+    CustomGraphPass.register(PackPass)
     options = {
-        "post_grad_custom_post_pass": ScaleBeforeConcat(),
+        "post_grad_custom_post_pass": PackPass(),
         **CACHE_OPTIONS,
         **(OVERLAP_OPTIONS if overlap else {}),
         **kwargs.pop("options", {}),

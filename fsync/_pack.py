@@ -76,18 +76,10 @@ def _pack_bucket(
         elif layout.perm is not None:
             leaf = leaf.permute(layout.perm)
         parts.append(leaf)
-    if len(parts) <= FUSED_CAT_LEAVES:
-        # A plain cat, which inductor fuses with the hook's scaling or cast: one pass.
-        flattened = [part if part.dim() == 1 else part.reshape(-1) for part in parts]
-        if after is not None:
-            flattened = [part * after for part in flattened]
-        return torch.cat([p if p.dtype == spec.dtype else p.to(spec.dtype) for p in flattened])
-    # Many leaves: one opaque concatenation (a custom op) whose cost does not grow with the
-    # number of leaves in the compiler.
-    buffer: torch.Tensor = torch.ops.fsync.concat(parts)
-    if after is not None:
-        buffer = buffer * after
-    return buffer if buffer.dtype == spec.dtype else buffer.to(spec.dtype)
+    # One op per bucket, whatever the backend, so that the compiler keeps the bucket whole;
+    # fsync.compile folds the mean's scale into it and lowers it for the device (_compile).
+    buffer: torch.Tensor = torch.ops.fsync.pack(parts, after, spec.dtype, 1.0)
+    return buffer
 
 
 def pack_grads(grads: Sequence[torch.Tensor | None], spec: BucketSpec) -> torch.Tensor:
@@ -163,30 +155,51 @@ def _orders(plan: BucketPlan) -> tuple[tuple[int, tuple[int, ...] | None], ...]:
     )
 
 
-# Buckets of up to this many leaves are packed by torch.cat under torch.compile, which
-# inductor turns into one kernel fused with what follows; beyond it the generated
-# kernel, and its compile time, grow with every leaf.
-FUSED_CAT_LEAVES = 32
+@torch.library.custom_op("fsync::pack", mutates_args=())
+def pack_op(
+    parts: list[torch.Tensor], after: torch.Tensor | None, dtype: torch.dtype, factor: float
+) -> torch.Tensor:
+    """A bucket from its leaves (each in its memory order), as one op of the compiled graph.
+
+    Each element is ``x.to(dtype) * factor``, the bits of the eager pack followed by the
+    mean's ``x * (1 / world_size)`` (``factor`` is 1.0 until [fsync.compile][] folds the
+    mean into it). ``after``, the agreement's always-true token, is an input only so that
+    the pack runs after the agreement: its value is not read. Under ``torch.compile`` a
+    ``cat`` of many leaves becomes a kernel per leaf on CUDA; this op stays one, and on
+    the CPU, whose backend fuses any ``cat`` into one loop, fsync.compile lowers it back
+    into one (``_compile.lower_pack``).
+    """
+    flattened = [part.reshape(-1) for part in parts]
+    buffer = flattened[0].clone() if len(flattened) == 1 else torch.cat(flattened)
+    if buffer.dtype != dtype:
+        buffer = buffer.to(dtype)
+    return buffer.mul_(factor) if factor != 1.0 else buffer
 
 
-@torch.library.custom_op("fsync::concat", mutates_args=())
-def _concat_op(parts: list[torch.Tensor]) -> torch.Tensor:
-    return _concat_impl(parts)
-
-
-@_concat_op.register_fake
-def _(parts: list[torch.Tensor]) -> torch.Tensor:
-    dtype = parts[0].dtype
-    for part in parts[1:]:
-        dtype = torch.promote_types(dtype, part.dtype)
+@pack_op.register_fake
+def _(
+    parts: list[torch.Tensor], after: torch.Tensor | None, dtype: torch.dtype, factor: float
+) -> torch.Tensor:
     return parts[0].new_empty(sum(part.numel() for part in parts), dtype=dtype)
 
 
-def _concat_impl(parts: list[torch.Tensor]) -> torch.Tensor:
-    if len(parts) == 1:  # flatten_dense_tensors would return a view of the input
-        return parts[0].reshape(-1).clone()
-    flattened: torch.Tensor = torch._C._nn.flatten_dense_tensors(parts)
-    return flattened
+def _pack_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    """The pack's derivative: each leaf's slice of ``grad`` times ``factor``, in its shape."""
+    pieces = grad.split_with_sizes([numel for numel, _, _ in ctx.parts])
+    grads = [
+        (piece * ctx.factor).to(dtype).view(shape)
+        for piece, (_, shape, dtype) in zip(pieces, ctx.parts, strict=True)
+    ]
+    return grads, None, None, None
+
+
+def _save_parts(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    parts, _, _, factor = inputs
+    ctx.parts = [(part.numel(), part.shape, part.dtype) for part in parts]
+    ctx.factor = factor
+
+
+pack_op.register_autograd(_pack_backward, setup_context=_save_parts)
 
 
 def pack(tree: Any, plan: BucketPlan, /) -> list[torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 
@@ -16,6 +17,7 @@ import fsync
 from benchmarks import models
 from benchmarks.steps import overlapped_kernels
 from fsync import _tree
+from fsync._compile import FUSED_CAT_LEAVES, PackPass
 from tests._launch import bounded
 from tests._models import func_loss, params_of, ref_batch, ref_model
 from tests._world import World
@@ -132,57 +134,80 @@ def test_overlapped_kernels_reads_inductor_code():
     assert overlapped_kernels(code) == (1, 2)
 
 
-def _scaled_cat(a, b, c):
-    return torch.cat([a, b]) * (1 / 3), torch.cat([a, c]).mul_(0.5)
-
-
-def test_scale_before_concat_rewrites_and_keeps_the_bits():
+def _packed_graph(parts, *, factor=1 / 3, dtype=torch.float32, users=1):
+    """make_fx's graph of a pack of ``parts`` (behind the agreement's token), then scaled."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fsync._compile import ScaleBeforeConcat
+    def fn(token, *parts):
+        bucket = torch.ops.fsync.pack(list(parts), token, dtype, 1.0)
+        scaled = bucket * (factor(token) if callable(factor) else factor)
+        return (scaled,) if users == 1 else (scaled, bucket)
+
+    args = (torch.ones((), dtype=torch.bool, device=parts[0].device), *parts)
+    return make_fx(fn, tracing_mode="fake")(*args), args
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_pack_pass_folds_the_scale_and_lowers_to_one_cat_on_the_cpu():
 
     g = torch.Generator().manual_seed(0)
-    args = [torch.randn(n, generator=g) for n in (5, 7, 3)]
-    gm = make_fx(_scaled_cat)(*args)
-    expected = gm(*args)
-    ScaleBeforeConcat()(gm.graph)
+    parts = [
+        torch.randn(5, generator=g, dtype=torch.float64),
+        torch.randn(2, 3, generator=g, dtype=torch.float64),
+        torch.randn(3, 4, generator=g, dtype=torch.float64).t(),  # a leaf in its memory order
+    ]
+    gm, args = _packed_graph(parts)
+    expected = gm(*args)  # the op's own kernel, then the product
+    PackPass()(gm.graph)
     gm.recompile()
     aten = torch.ops.aten
-    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    # The product of the first cat moved onto its two parts; the in-place product of the
-    # second (make_fx does not functionalize) is not an out-of-place mul and stays.
-    assert targets.count(aten.mul.Tensor) == 2 and targets.count(aten.mul_.Tensor) == 1
-    assert all(
-        arg.target is not aten.cat.default
-        for n in gm.graph.nodes
-        if n.target is aten.mul.Tensor
-        for arg in n.args[:1]
-    )
+    targets = _targets(gm)
+    # One cat of the parts, each times the token, cast and scaled on its way in: the
+    # arithmetic inductor's C++ backend fuses into one loop.
+    assert torch.ops.fsync.pack.default not in targets and targets.count(aten.cat.default) == 1
+    assert targets.count(aten.mul.Tensor) == 2 * len(parts), targets
+    assert targets.count(torch.ops.prims.convert_element_type.default) == len(parts)
+    # 1/3 is inexact: equal bits only if every element is cast, then scaled once by the same
+    # float, as the op does.
     for got, want in zip(gm(*args), expected, strict=True):
-        assert torch.equal(got, want)
+        assert got.dtype == torch.float32 and torch.equal(got, want)
 
 
-def test_scale_before_concat_leaves_other_graphs_alone():
-    from torch.fx.experimental.proxy_tensor import make_fx
+@pytest.mark.parametrize("where", ["meta", "many leaves"])
+def test_pack_pass_keeps_the_pack_whole_off_the_cpu_and_for_many_leaves(where):
 
-    from fsync._compile import ScaleBeforeConcat
+    device, count = ("meta", 3) if where == "meta" else ("cpu", FUSED_CAT_LEAVES + 1)
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(4, generator=g).to(device) for _ in range(count)]
+    gm, args = _packed_graph(parts)
+    expected = None if device == "meta" else gm(*args)
+    PackPass()(gm.graph)
+    gm.recompile()
+    (pack,) = [n for n in gm.graph.nodes if n.target is torch.ops.fsync.pack.default]
+    # One op with all the bucket's leaves, the scale folded into it: nothing else computes.
+    assert len(pack.args[0]) == count and pack.args[3] == 1 / 3
+    assert torch.ops.aten.mul.Tensor not in _targets(
+        gm
+    ) and torch.ops.aten.cat.default not in _targets(gm)
+    if expected is not None:
+        assert all(torch.equal(a, b) for a, b in zip(gm(*args), expected, strict=True))
 
-    def shared(a, b):  # the cat has a second user: scaling its parts would copy twice
-        c = torch.cat([a, b])
-        return c * 0.5, c
 
-    def integer(a, b):
-        return torch.cat([a, b]) * 3
+def test_pack_pass_leaves_a_pack_with_other_users_or_a_tensor_factor_alone():
 
-    def tensor_factor(a, b):
-        return torch.cat([a, b]) * a.sum()
-
-    x = torch.ones(4)
-    for fn, args in ((shared, (x, x)), (integer, (x.long(), x.long())), (tensor_factor, (x, x))):
-        gm = make_fx(fn)(*args)
+    x = torch.ones(4, device="meta")
+    for name, (gm, _) in {
+        "second user": _packed_graph([x, x], users=2),  # a folded scale would copy twice
+        "tensor factor": _packed_graph([x, x], factor=lambda token: token * 0.5),
+        "another dtype": _packed_graph([x, x], factor=2, dtype=torch.int64),  # x * 2 is int
+    }.items():
         before = str(gm.graph)
-        ScaleBeforeConcat()(gm.graph)
-        assert str(gm.graph) == before, fn.__name__
+        PackPass()(gm.graph)
+        folded = [n.args[3] for n in gm.graph.nodes if n.target is torch.ops.fsync.pack.default]
+        assert folded == [1.0], (name, folded, before)
 
 
 # A fresh interpreter: fsync imports neither dynamo nor inductor, and the mark it sets on a
@@ -208,7 +233,7 @@ def test_import_fsync_loads_no_compiler_and_marks_constants_as_torch_does():
 
 
 def test_fsync_compile_keeps_inductors_cache_with_its_pass():
-    # ScaleBeforeConcat is registered as inductor's CustomGraphPass when fsync.compile is
+    # PackPass is registered as inductor's CustomGraphPass when fsync.compile is
     # called (not subclassed, so that import fsync does not load inductor): a pass that is
     # not one makes inductor bypass its graph cache, recompiling in every process.
     counters.clear()
@@ -248,22 +273,68 @@ def test_fsync_compile_caches_a_step_with_a_cond_by_its_branches(tmp_path, monke
     assert not any("autograd_cache_bypass" in aot for _, aot in seen), seen
 
 
+class _Recording(PackPass):
+    """fsync's pass, noting the packs it is given: per pack, its leaves and factor."""
+
+    def __init__(self):
+        self.packs = []
+
+    def __call__(self, graph):
+        target = torch.ops.fsync.pack.default
+        self.packs += [len(n.args[0]) for n in graph.nodes if n.target is target]
+        super().__call__(graph)
+
+
 def _on_rank_fsync_compile_bitwise():
     rank = dist.get_rank()
     model = ref_model()
     grads = torch.func.grad(func_loss(model))(params_of(model), ref_batch(rank))
-    options = {"bucket_cap_mb": 0.001, "first_bucket_mb": 0.001}
-    compiled = fsync.compile(lambda g: fsync.sync_grads(g, **options))
-    out, ref = compiled(grads), fsync.sync_grads(grads, **options)
-    # With three ranks 1/3 is inexact: the bits only agree if every element is scaled once,
-    # by the same float, before the sum, whether or not the scaling moved into the packing.
-    for k in grads:
-        assert torch.equal(out[k], ref[k]), k
+    g = torch.Generator().manual_seed(rank)
+    # Beside the model's, a bucket's worth of small leaves: more than a CUDA cat lowers as
+    # one kernel (8), and more than the CPU's lowering makes one cat of (FUSED_CAT_LEAVES).
+    grads |= {f"many.{i:02d}": torch.randn(3, 5, generator=g) for i in range(FUSED_CAT_LEAVES + 8)}
+    found = []
+    for options in (
+        {"bucket_cap_mb": 0.001, "first_bucket_mb": 0.001},  # buckets of a few leaves
+        {"bucket_cap_mb": 25, "first_bucket_mb": 25},  # one of them all
+    ):
+        torch._dynamo.reset()  # a fresh compile, so that its code and its passes are seen
+        recording = _Recording()
+        compiled = fsync.compile(
+            functools.partial(fsync.sync_grads, **options),
+            options={"post_grad_custom_post_pass": recording},
+        )
+        out, (code,) = run_and_get_code(compiled, grads)
+        ref = fsync.sync_grads(grads, **options)
+        # With three ranks 1/3 is inexact: the bits only agree if every element is scaled
+        # once, by the same float, before the sum, wherever the scaling happens.
+        for k in grads:
+            assert torch.equal(out[k], ref[k]), k
+        plan = fsync.plan_buckets(grads, **options)
+        found.append(
+            (
+                recording.packs,
+                [len(spec.leaves) for spec in plan.specs],
+                code.count("torch.ops.fsync.pack.default("),
+                len(re.findall(r"^cpp_fused\w* = async_compile", code, re.MULTILINE)),
+                code.count("_c10d_functional.all_reduce_.default("),
+            )
+        )
+    return found
 
 
 @pytest.mark.parametrize("world", [3], indirect=True)
-def test_fsync_compile_sync_is_bitwise_eager(world: World):
-    world.run(_on_rank_fsync_compile_bitwise, timeout=400)
+def test_fsync_compile_packs_each_bucket_in_one_op_with_eagers_bits(world: World):
+    (few, one), *_ = world.run(_on_rank_fsync_compile_bitwise, timeout=400)
+    packs, leaves, opaque, kernels, reduces = few
+    # The post-grad graph holds one pack per bucket, with all its leaves; on the CPU each
+    # becomes one fused loop (a kernel per bucket, with one more at most for the agreement).
+    assert packs == leaves and len(leaves) >= 3 and max(leaves) <= FUSED_CAT_LEAVES, few
+    assert opaque == 0 and len(leaves) <= kernels <= len(leaves) + 1 and reduces == len(leaves)
+    # A bucket of more leaves than one loop is worth compiling stays one op.
+    packs, leaves, opaque, kernels, reduces = one
+    assert packs == leaves and len(leaves) == 1 and leaves[0] > FUSED_CAT_LEAVES, one
+    assert opaque == 1 and reduces == 1, one
 
 
 @pytest.mark.parametrize(
