@@ -152,23 +152,31 @@ def gives_back(options: SyncOptions, plan: BucketPlan, group: _comm.Group) -> bo
     )
 
 
-def check_sparse(plan: BucketPlan, hook: Hook, *, agreed: bool) -> None:
-    """Sparse buckets are averaged by fsync itself: eagerly, and with the default hook only.
-
-    Called twice: before the agreement (``agreed=False``), where a sparse leaf
-    inside ``torch.compile`` is refused while tracing, and after it, where a hook
-    that would not apply to sparse buckets is refused (only then is it known to
-    be every rank's tree, so that every rank raises).
-    """
-    sparse = [spec for spec in plan.specs if spec.sparse]
-    if not sparse:
-        return
-    leaf = plan.leaves[sparse[0].leaves[0]]
+def _first_sparse(plan: BucketPlan) -> str | None:
+    """The path of the plan's first sparse leaf, ``None`` if it has none."""
+    spec = next((spec for spec in plan.specs if spec.sparse), None)
+    if spec is None:
+        return None
+    leaf = plan.leaves[spec.leaves[0]]
     assert leaf is not None
-    if not agreed and torch.compiler.is_compiling():
-        raise TypeError(_checks.SPARSE_UNDER_COMPILE.format(path=leaf.path))
-    if agreed and hook_spec(hook) != DEFAULT_HOOK.spec:
-        raise ValueError(_checks.SPARSE_NEEDS_DEFAULT_HOOK.format(path=leaf.path, hook=hook.spec))
+    return leaf.path
+
+
+def check_sparse_traced(plan: BucketPlan) -> None:
+    """Refuses a sparse leaf inside ``torch.compile``: sparse buckets are averaged by fsync
+    itself, eagerly. A check before the agreement (this rank's tree is enough)."""
+    path = _first_sparse(plan)
+    if path is not None and torch.compiler.is_compiling():
+        raise TypeError(_checks.SPARSE_UNDER_COMPILE.format(path=path))
+
+
+def check_sparse_hook(plan: BucketPlan, hook: Hook) -> None:
+    """Refuses a hook other than the default where the plan has a sparse leaf: sparse buckets
+    are averaged by fsync itself. A check after the agreement: only then is the plan known
+    to be every rank's, so that every rank raises."""
+    path = _first_sparse(plan)
+    if path is not None and hook_spec(hook) != DEFAULT_HOOK.spec:
+        raise ValueError(_checks.SPARSE_NEEDS_DEFAULT_HOOK.format(path=path, hook=hook.spec))
 
 
 def context(
@@ -531,12 +539,12 @@ def reduce(
 ) -> Reduced:
     """One whole sync: agree and pack, every bucket reduced, sparse ones averaged.
 
-    The callers have checked what they could before it (``check_sparse`` with
-    ``agreed=False`` among it), refusing what they found (``_agree.refuse``).
+    The callers have checked what they could before it (``check_sparse_traced`` among
+    it), refusing what they found (``_agree.refuse``).
     """
     hook = hook_of(call.options)
     agreed, buffers = agree_and_pack(leaves, plan, call, active=active)
-    check_sparse(plan, hook, agreed=True)
+    check_sparse_hook(plan, hook)
     ctx = context(plan, call.group, agreed.divisor)
     out, hook_state = reduce_dense(dense(buffers, plan), hook, call.hook_state, ctx)
     return Reduced(with_sparse(out, buffers, plan, ctx), agreed.used, hook_state)
@@ -605,7 +613,7 @@ def sync_tree(grads: Any, options: SyncOptions, group: _comm.Group, *, active: b
         state = init_hook(options, plan, group)
         if optree.tree_leaves(state, namespace=_tree.NAMESPACE):
             raise ValueError(_checks.STATEFUL_HOOK)
-        check_sparse(plan, hook_of(options), agreed=False)
+        check_sparse_traced(plan)
     except (ValueError, TypeError) as error:
         return refuse(error, group, like=grads)
     reduced = _comm.naming(

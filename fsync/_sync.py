@@ -25,7 +25,7 @@ from fsync._plan import BucketPlan
 from fsync._reduce import (
     Reduced,
     SyncCall,
-    check_sparse,
+    check_sparse_traced,
     hook_of,
     init_hook,
     reduce,
@@ -287,7 +287,7 @@ def _reduced(
 def _checked(sync: GradSync, grads: Any, state: SyncState, active: bool) -> _planner.Planned:
     """``grads`` fitted to the plan of ``state``: every check a sync makes before the agreement."""
     planned = _fit(sync, _checks.given(grads) if active else grads, state)
-    check_sparse(planned.plan, sync.hook, agreed=False)
+    check_sparse_traced(planned.plan)
     return planned
 
 
