@@ -62,7 +62,7 @@ from fsync._agree import Agreed, Agreement, begin, refuse
 from fsync._hook import Hook, SyncContext
 from fsync._plan import BucketPlan
 from fsync._reduce import (
-    Pipeline,
+    GatheringPipeline,
     Reduced,
     SyncCall,
     alone,
@@ -295,7 +295,7 @@ class Reducer:
     ``start(k, buffer)`` runs on the bucket thread for each complete bucket in
     plan order; ``finish()`` runs on the caller's thread after it. A bucketwise
     hook starts each bucket whole over a flat group, or pushes it into the
-    hierarchical ``Pipeline`` on a 2-D mesh; another hook waits for every bucket
+    hierarchical ``GatheringPipeline`` on a 2-D mesh; another hook waits for every bucket
     (on a mesh, each reduce-scattered within the node as it completes).
     """
 
@@ -312,7 +312,7 @@ class Reducer:
         self._per_bucket = pipelined(hook, hook_state)
         self._agreed: Agreed | None = None
         self._ctx: SyncContext | None = None
-        self._pipeline: Pipeline | None = None
+        self._pipeline: GatheringPipeline | None = None
         self._started: list[torch.Tensor] = []
 
     def _context(self) -> tuple[Agreed, SyncContext]:
@@ -320,7 +320,7 @@ class Reducer:
             self._agreed = self._agreement.conclude()
             self._ctx = context(self._plan, self._group, self._agreed.divisor)
             if self._per_bucket and _comm.hierarchy(self._group) is not None:
-                self._pipeline = Pipeline(self._hook, self._state, self._ctx)
+                self._pipeline = GatheringPipeline(self._hook, self._state, self._ctx)
         return self._agreed, self._ctx
 
     def start(self, k: int, buffer: torch.Tensor) -> None:

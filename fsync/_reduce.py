@@ -428,31 +428,24 @@ def start_within(buffer: torch.Tensor, group: _comm.Group) -> torch.Tensor:
 
 
 class Pipeline:
-    """A hierarchical reduce through a bucketwise hook, bucket by bucket, its stages overlapping.
+    """A hierarchical reduce through a bucketwise hook, bucket by bucket, to each rank's shard.
 
-    Each bucket is reduce-scattered within the node, its shard goes through the
-    hook across nodes, and the shards are all-gathered within the node. Done in
-    three rounds over all buckets, the cable idles while the node works and the
-    other way round. Here pushing bucket ``k`` (its reduce-scatter in flight, or
-    a shard already reduced within the node) starts bucket ``k - 1`` across nodes
-    (its reduce-scatter waited for) and gathers bucket ``k - 2`` (its crossing
-    waited for): while one bucket crosses, the next is reduce-scattered and the
-    one before gathered, the two kinds of link busy at once. ``drain`` finishes
-    the last two and returns every bucket whole. Every rank pushes the buckets in
-    the plan's order, so every rank issues the same collectives in the same order
-    on each group. With ``gather=False`` the shards are not gathered: ``drain``
-    returns this rank's shard of every bucket, reduced.
+    Each bucket is reduce-scattered within the node and its shard goes through the hook
+    across nodes: pushing bucket ``k`` (its reduce-scatter in flight, or a shard already
+    reduced within the node) starts bucket ``k - 1`` across nodes (its reduce-scatter
+    waited for), so that while one bucket crosses the next is reduce-scattered. ``drain``
+    returns this rank's shard of every bucket, reduced (HSDP's split of the update);
+    ``GatheringPipeline`` gathers them whole. Every rank pushes the buckets in the plan's
+    order, so every rank issues the same collectives in the same order on each group.
     """
 
-    def __init__(self, hook: Hook, state: Any, ctx: SyncContext, *, gather: bool = True) -> None:
+    def __init__(self, hook: Hook, state: Any, ctx: SyncContext) -> None:
         across, within = _levels(ctx.group)
         assert within is not None, "a pipeline is for a 2-D mesh"
         self._hook, self._state, self._ctx, self._within = hook, state, ctx, within
-        self._gather = gather
         self._cross = cross_context(ctx, across, within)
         self._started: list[torch.Tensor] = []
         self._crossing: list[torch.Tensor] = []
-        self._gathering: list[_comm.Issued] = []
 
     def push(self, started: torch.Tensor) -> None:
         """The next bucket, in plan order: its shard, reduced within the node or on its way."""
@@ -460,29 +453,58 @@ class Pipeline:
         k = len(self._started) - 1
         if k >= 1:
             self._start_crossing(k - 1)
-        if k >= 2:
-            self._start_gathering(k - 2)
 
     def drain(self) -> list[torch.Tensor]:
-        """Every pushed bucket, reduced and whole (its padding cut); or its shard."""
-        n = len(self._started)
-        for k in range(len(self._crossing), n):
+        """This rank's shard of every pushed bucket, reduced across nodes."""
+        self._cross_all()
+        return [self._crossed(k) for k in range(len(self._crossing))]
+
+    def _cross_all(self) -> None:
+        for k in range(len(self._crossing), len(self._started)):
             self._start_crossing(k)
-        for k in range(len(self._gathering), n):
-            self._start_gathering(k)
-        return [
-            _comm.wait(g, functools.partial(_stage, self._ctx, k, _GATHER))[: spec.numel]
-            for k, (g, spec) in enumerate(zip(self._gathering, self._ctx.buckets, strict=True))
-        ]
 
     def _start_crossing(self, k: int) -> None:
         shard = _comm.wait(self._started[k], functools.partial(_stage, self._ctx, k, _WITHIN))
         out, _ = start_hook([shard], self._hook, self._state, alone(self._cross, k))
         self._crossing.append(out[0])
 
+    def _crossed(self, k: int) -> torch.Tensor:
+        return finish_hook([self._crossing[k]], alone(self._cross, k), " across nodes")[0]
+
+
+class GatheringPipeline(Pipeline):
+    """A ``Pipeline`` whose shards are all-gathered within the node, every bucket whole.
+
+    Done in three rounds over all buckets, the cable would idle while the node works
+    and the other way round. Here pushing bucket ``k`` also gathers bucket ``k - 2``
+    (its crossing waited for): while one bucket crosses, the next is reduce-scattered
+    and the one before gathered, the two kinds of link busy at once. ``drain``
+    finishes the last two and returns every bucket whole.
+    """
+
+    def __init__(self, hook: Hook, state: Any, ctx: SyncContext) -> None:
+        super().__init__(hook, state, ctx)
+        self._gathering: list[_comm.Issued] = []
+
+    def push(self, started: torch.Tensor) -> None:
+        """The next bucket, in plan order (see ``Pipeline.push``); two before it gathered."""
+        super().push(started)
+        k = len(self._started) - 1
+        if k >= 2:
+            self._start_gathering(k - 2)
+
+    def drain(self) -> list[torch.Tensor]:
+        """Every pushed bucket, reduced and whole (its padding cut)."""
+        self._cross_all()
+        for k in range(len(self._gathering), len(self._started)):
+            self._start_gathering(k)
+        return [
+            _comm.wait(g, functools.partial(_stage, self._ctx, k, _GATHER))[: spec.numel]
+            for k, (g, spec) in enumerate(zip(self._gathering, self._ctx.buckets, strict=True))
+        ]
+
     def _start_gathering(self, k: int) -> None:
-        crossed = finish_hook([self._crossing[k]], alone(self._cross, k), " across nodes")[0]
-        self._gathering.append(_comm.all_gather(crossed, self._within) if self._gather else crossed)
+        self._gathering.append(_comm.all_gather(self._crossed(k), self._within))
 
 
 def pipelined(hook: Hook, state: Any) -> bool:
@@ -491,26 +513,38 @@ def pipelined(hook: Hook, state: Any) -> bool:
 
 
 def reduce_started(
-    started: list[torch.Tensor], hook: Hook, state: Any, ctx: SyncContext, *, gather: bool = True
+    started: list[torch.Tensor], hook: Hook, state: Any, ctx: SyncContext
 ) -> tuple[list[torch.Tensor], Any]:
-    """``reduce_dense`` for buckets whose within-node part ``start_within`` already issued.
+    """``reduce_dense`` for buckets whose within-node part ``start_within`` already issued:
+    every bucket reduced and whole. On a 2-D mesh a bucketwise hook goes through a
+    ``GatheringPipeline``; another (PowerSGD) runs across nodes on every shard at once,
+    between the within-node stages."""
+    within = _levels(ctx.group)[1]
+    if within is not None and pipelined(hook, state):
+        return _drained(GatheringPipeline(hook, state, ctx), started), state
+    out, state = reduce_started_shards(started, hook, state, ctx)
+    return (out if within is None else gather_within(out, ctx.buckets, within)), state
 
-    On a 2-D mesh a bucketwise hook goes through a ``Pipeline``; another (PowerSGD)
-    runs across nodes on every shard at once, between the within-node stages. With
-    ``gather=False`` a hierarchical reduce returns this rank's shard of each bucket
-    (``ceil(numel / local)`` elements, zero-padded) instead of gathering it whole.
-    """
+
+def reduce_started_shards(
+    started: list[torch.Tensor], hook: Hook, state: Any, ctx: SyncContext
+) -> tuple[list[torch.Tensor], Any]:
+    """``reduce_started`` up to this rank's shard of each bucket on a 2-D mesh
+    (``ceil(numel / local)`` elements, zero-padded), not gathered; elsewhere, where every
+    rank is a node, each bucket whole."""
     across, within = _levels(ctx.group)
     if within is None:
         return apply_hook(started, hook, state, ctx)
     if pipelined(hook, state):
-        pipeline = Pipeline(hook, state, ctx, gather=gather)
-        for pending in started:
-            pipeline.push(pending)
-        return pipeline.drain(), state
+        return _drained(Pipeline(hook, state, ctx), started), state
     shards = [_comm.wait(s, _WITHIN) for s in started]
-    out, state = reduce_across(shards, hook, state, ctx, across, within)
-    return (gather_within(out, ctx.buckets, within) if gather else out), state
+    return reduce_across(shards, hook, state, ctx, across, within)
+
+
+def _drained(pipeline: Pipeline, started: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    for pending in started:
+        pipeline.push(pending)
+    return pipeline.drain()
 
 
 def with_sparse(
@@ -584,10 +618,10 @@ def reduce_finish(
     ctx = ctx._replace(divisor=micro.clamp(min=1) * agreed.divisor, owned=False)
     across, within = _levels(group)
     if within is not None and pipelined(hook, hook_state):
-        pipeline = Pipeline(hook, hook_state, ctx)
-        for shard in held:  # reduced within the node already, by each add
-            pipeline.push(shard)
-        return Reduced(pipeline.drain(), agreed.used, hook_state)
+        # The shards were reduced within the node already, by each add.
+        return Reduced(
+            _drained(GatheringPipeline(hook, hook_state, ctx), held), agreed.used, hook_state
+        )
     out, hook_state = reduce_across(held, hook, hook_state, ctx, across, within)
     return Reduced(gather_within(out, ctx.buckets, within), agreed.used, hook_state)
 

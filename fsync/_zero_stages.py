@@ -52,6 +52,7 @@ from fsync._reduce import (
     finish_bucket,
     pipelined,
     reduce_started,
+    reduce_started_shards,
     start_bucket,
     start_within,
 )
@@ -231,8 +232,9 @@ class ZeroPipeline:
         # Split within a replica group of a hierarchical reduce (ZeroStep.shard_group): the
         # shard that crossed is this rank's part, HSDP's way, so it is not gathered first.
         mine = self._layout.shard_buckets and self._gather_over is not self._ctx.group
-        self._reduced, self._hook_state = reduce_started(
-            self._started, self._hook, self._hook_state, self._ctx, gather=not mine
+        reduced = reduce_started_shards if mine else reduce_started
+        self._reduced, self._hook_state = reduced(
+            self._started, self._hook, self._hook_state, self._ctx
         )
 
     def _grad(self, k: int) -> torch.Tensor:
