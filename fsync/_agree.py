@@ -148,12 +148,12 @@ def _chunks(value: int) -> list[int]:
 def control_vector(
     h: int,
     *,
-    active: bool,
-    nones: int,
-    step: torch.Tensor | None,
-    state_fingerprint: torch.Tensor | None,
     plan_fingerprint: int,
     device: torch.device,
+    active: bool = True,
+    nones: int = 0,
+    step: torch.Tensor | None = None,
+    state_fingerprint: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's control vector (see the module's docstring)."""
     fixed = [int(active)]
@@ -384,15 +384,7 @@ def verify_plan(plan: BucketPlan, group: _comm.Group, what: str = "grads") -> No
     if _comm.size(group) == 1:
         return
     device = _comm.default_device(group)
-    control = control_vector(
-        plan.fingerprint,
-        active=True,
-        nones=0,
-        step=None,
-        state_fingerprint=None,
-        plan_fingerprint=plan.fingerprint,
-        device=device,
-    )
+    control = control_vector(plan.fingerprint, plan_fingerprint=plan.fingerprint, device=device)
     description = describe(plan.description, "", False, "", what)
     agree(control, torch.zeros(0, dtype=torch.int64, device=device), group, description, False)
 

@@ -288,21 +288,6 @@ def _as_key(structure: Structure) -> Structure:
     return structure
 
 
-def _plan_and_fit(
-    held: Structure,
-    held_metas: tuple[_Meta | None, ...],
-    options: PlanOptions,
-    device: torch.device | None,
-    structure: Structure,
-    metas: tuple[_Meta | None, ...],
-    what: str,
-) -> BucketPlan:
-    """The plan of a held tree (cached), checked against a tree's metadata; eagerly."""
-    plan = _cached_plan(_as_key(held), held_metas, options, "tree", device)
-    _fits(plan, _treespec(_as_key(structure)), metas, what)
-    return plan
-
-
 def plan_tree(
     tree: Any,
     options: PlanOptions,
@@ -625,5 +610,6 @@ def fit_like(
         assignment = _traced_assignment(held_structure, held_metas, options, "tree", device)
         plan = _plan_assigned(*assignment, (structure, metas, what))
     else:
-        plan = _plan_and_fit(held_structure, held_metas, options, device, structure, metas, what)
+        plan = _cached_plan(_as_key(held_structure), held_metas, options, "tree", device)
+        _fits(plan, _treespec(_as_key(structure)), metas, what)
     return Planned(leaves, plan, rebuild)

@@ -63,7 +63,7 @@ from fsync._zero_layout import (
     shard_group,
     zero_layout,
 )
-from fsync._zero_stages import ZeroPipeline
+from fsync._zero_stages import ZeroPipeline, ZeroUpdate
 from fsync.optim._base import Optimizer
 
 _META = torch.device("meta")
@@ -294,16 +294,14 @@ def _overlapped_call(
         in_backward = step.update_in_backward
         if in_backward is None:  # the CPU's cores are backward's: update after it there
             in_backward = any(t.device.type != "cpu" for t in p_leaves if t is not None)
-        stages = functools.partial(
-            _Overlapped, layout, step.optimizer, p_leaves, state.opt, gather_over=step.shard_group
-        )
+        update = ZeroUpdate(layout, step.optimizer, p_leaves, state.opt, step.shard_group)
         (buffers, opt_state, hook_state), output = synced_backward(
             settings.forward(args, kwargs, rebuild),
             settings.value,
             p_leaves,
             plan,
             _sync_call(step, state),
-            stages=functools.partial(stages, in_backward=in_backward),
+            stages=functools.partial(_Overlapped, update, in_backward=in_backward),
         )
         new_state = state._replace(hook=hook_state, opt=opt_state, step=state.step + 1)
         params = rebuild(_pack.unpack_leaves(buffers, plan))
@@ -353,9 +351,8 @@ def _stepped(
     agreed, buckets = agree_and_pack(grads, layout.plan, _sync_call(step, state))
     # Each rank needs only its shard of a bucket: the hook may reduce-scatter it.
     ctx = context(layout.plan, step.group, agreed.divisor, scatter=step.shard_buckets)
-    pipeline = ZeroPipeline(
-        layout, step.optimizer, params, state.opt, step.hook, state.hook, ctx, step.shard_group
-    )
+    update = ZeroUpdate(layout, step.optimizer, params, state.opt, step.shard_group)
+    pipeline = ZeroPipeline(update, step.hook, state.hook, ctx)
     pipeline.push_all(dense(buckets, layout.plan))
     return pipeline.drain()
 
@@ -367,25 +364,19 @@ class _Overlapped:
 
     def __init__(
         self,
-        layout: ZeroLayout,
-        optimizer: Optimizer,
-        params: list[Any],
-        opt_state: Any,
+        update: ZeroUpdate,
         plan: BucketPlan,
         hook: Hook,
         hook_state: Any,
         group: _comm.Group,
         agreement: Agreement,
         *,
-        gather_over: _comm.Group,
-        in_backward: bool,
+        in_backward: bool = False,
     ) -> None:
-        self._make = functools.partial(
-            ZeroPipeline, layout, optimizer, params, opt_state, hook, gather_over=gather_over
-        )
+        self._make = functools.partial(ZeroPipeline, update, hook)
         self._in_backward = in_backward
         self._plan, self._hook_state, self._group = plan, hook_state, group
-        self._agreement, self._scatter = agreement, layout.shard_buckets
+        self._agreement, self._scatter = agreement, update.layout.shard_buckets
         self._pipeline: ZeroPipeline | None = None
 
     def _started(self) -> ZeroPipeline:

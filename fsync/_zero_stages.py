@@ -41,7 +41,7 @@ Owns: the order of a ZeRO step's stages. May import: layers 1 to 6
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -133,43 +133,46 @@ class PieceUpdates:
         return list(new)
 
 
+class ZeroUpdate(NamedTuple):
+    """What a ZeRO step's buckets update, and where: the inputs of its optimizer step."""
+
+    layout: ZeroLayout
+    """This rank's ``ZeroLayout``."""
+    optimizer: Optimizer
+    """The optimizer of the pieces."""
+    params: Sequence[torch.Tensor | None]
+    """The parameter tree's leaves (flatten order, fitted to the plan)."""
+    opt_state: Any
+    """This rank's optimizer state (``ZeroState.opt``)."""
+    gather_over: _comm.Group
+    """The ranks the update is split over and its pieces gathered from
+    (``ZeroStep.shard_group``): the sync's group, a replica group's own, or this rank
+    alone (nothing to gather)."""
+
+
 class ZeroPipeline:
     """One ZeRO step's buckets through reduce, update and gather (see the module's docstring).
 
     Args:
-        layout: This rank's ``ZeroLayout``.
-        optimizer: The optimizer of the pieces.
-        params: The parameter tree's leaves (flatten order, fitted to the plan).
-        opt_state: This rank's optimizer state (``ZeroState.opt``).
+        update: What the buckets update (``ZeroUpdate``).
         hook: The hook the gradient buckets go through.
         hook_state: Its state.
         ctx: The hook's context for every dense bucket, the ranks' agreement done
             (``_reduce.context``, with ``scatter`` when buckets are sharded).
-        gather_over: The ranks the update is split over and its pieces gathered from
-            (``ZeroStep.shard_group``).
     """
 
-    def __init__(
-        self,
-        layout: ZeroLayout,
-        optimizer: Optimizer,
-        params: Sequence[torch.Tensor | None],
-        opt_state: Any,
-        hook: Hook,
-        hook_state: Any,
-        ctx: SyncContext,
-        gather_over: _comm.Group,
-    ) -> None:
-        self._layout, self._params = layout, params
-        # The ranks that split the update and gather its pieces (ZeroStep.shard_group):
-        # ctx.group's, a replica group's own, or this rank alone (nothing to gather).
-        self._gather_over = gather_over
+    def __init__(self, update: ZeroUpdate, hook: Hook, hook_state: Any, ctx: SyncContext) -> None:
+        self._layout, self._params, self._gather_over = (
+            update.layout,
+            update.params,
+            update.gather_over,
+        )
         self._hook, self._hook_state, self._ctx = hook, hook_state, ctx
-        self._updates = PieceUpdates(optimizer, layout, opt_state)
+        self._updates = PieceUpdates(update.optimizer, update.layout, update.opt_state)
         # Whether a bucket can be reduced on its own, and updated on its own.
         self._bucketwise = pipelined(hook, hook_state) and _comm.hierarchy(ctx.group) is None
-        self._leafwise = bool(getattr(optimizer, "leafwise", False))
-        self._piece_of = {p.bucket: j for j, p in enumerate(layout.pieces)}
+        self._leafwise = bool(getattr(update.optimizer, "leafwise", False))
+        self._piece_of = {p.bucket: j for j, p in enumerate(update.layout.pieces)}
         self._started: list[torch.Tensor] = []
         self._reduced: list[torch.Tensor] | None = None
         self._gathering: list[_comm.Issued] = []

@@ -200,7 +200,7 @@ class Replica:
 
         @functools.wraps(fn)
         def transaction(state: Any, /, *args: Any, **kwargs: Any) -> tuple[Any, Outcome]:
-            return _transact(self.manager, self._replicas, self._exchange, fn, state, args, kwargs)
+            return _transact(self, fn, state, args, kwargs)
 
         return transaction
 
@@ -222,16 +222,11 @@ class Replica:
 
 
 def _transact(
-    manager: Any,
-    replicas: _torchft.ManagerGroup,
-    exchange: _heal.Exchange,
-    fn: Callable[..., Any],
-    state: Any,
-    args: Any,
-    kwargs: Any,
+    replica: Replica, fn: Callable[..., Any], state: Any, args: Any, kwargs: Any
 ) -> tuple[Any, Outcome]:
     """One step of [fsync.ft.Replica.step][]: the quorum (and a heal), ``fn`` with its
-    collectives across ``replicas``, then ``should_commit``: ``fn``'s state or the old one."""
+    collectives across the replicas, then ``should_commit``: ``fn``'s state or the old one."""
+    manager, replicas, exchange = replica.manager, replica._replicas, replica._exchange
     exchange.committed = state  # served to a peer that heals in this quorum
     replicas.begin()
     state, healed = exchange.begin(state)

@@ -304,17 +304,20 @@ def _dense(specs: Sequence[BucketSpec]) -> tuple[BucketSpec, ...]:
     return tuple(spec for spec in specs if not spec.sparse)
 
 
-def _powersgd(
-    name: str,
-    layout_of: LayoutFn,
-    *,
-    start_step: int,
-    error_feedback: bool,
-    warm_start: bool,
-    orthogonalization_epsilon: float,
-    seed: int,
-) -> Hook:
+class _Settings(NamedTuple):
+    """The settings [fsync.ops.powersgd][] and [fsync.ops.batched_powersgd][] share
+    beyond the layout (which the rank and the minimum compression rate make)."""
+
+    start_step: int
+    error_feedback: bool
+    warm_start: bool
+    orthogonalization_epsilon: float
+    seed: int
+
+
+def _powersgd(name: str, layout_of: LayoutFn, settings: _Settings) -> Hook:
     """The hook shared by [fsync.ops.powersgd][] and [fsync.ops.batched_powersgd][]."""
+    start_step, error_feedback, warm_start, orthogonalization_epsilon, seed = settings
 
     def init(plan: BucketPlan) -> PowerSGDState:
         specs = _dense(plan.specs)
@@ -370,30 +373,6 @@ def _powersgd(
             detail = "its fingerprint is not this plan's"
             raise ValueError(_OTHER_PLAN.format(name=name, detail=detail))
 
-    def compress_bucket(
-        b: int,
-        bucket: torch.Tensor,
-        error: torch.Tensor | None,
-        q: torch.Tensor | None,
-        step: torch.Tensor,
-        layout: _Layout,
-        ctx: SyncContext,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The synced bucket, this rank's new error and the new Q (empty when not kept)."""
-        if not layout.groups:  # nothing worth compressing: DDP's plain mean
-            out = _comm.all_reduce(ctx.divide(bucket), "sum", ctx.group)
-            return out, bucket.new_zeros(0), bucket.new_zeros(0)
-        x, rest = layout.split(bucket)
-        if error is not None:
-            x = x + error
-        if q is None:  # no warm start: a fresh draw for this bucket and step
-            q = _gaussian(layout.q_numel, _key(seed, b, step), bucket.dtype, bucket.device)
-        approx, mean_rest, new_q = _power_step(
-            x, rest, q, layout.groups, orthogonalization_epsilon, ctx
-        )
-        new_error = x - approx if error is not None else bucket.new_zeros(0)
-        return layout.join(approx, mean_rest), new_error, new_q if warm_start else q.new_zeros(0)
-
     def apply(
         buckets: Buckets, state: PowerSGDState, ctx: SyncContext
     ) -> tuple[Buckets, PowerSGDState]:
@@ -401,6 +380,33 @@ def _powersgd(
         plan_layouts = [layout_of(ctx.plan, s) for s in ctx.buckets]
         check_state(state, ctx, plan_layouts)
         n = len(buckets)
+
+        def compress_bucket(
+            b: int,
+            bucket: torch.Tensor,
+            error: torch.Tensor | None,
+            q: torch.Tensor | None,
+            step: torch.Tensor,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            """The synced bucket, this rank's new error and the new Q (empty when not kept)."""
+            layout = plan_layouts[b]
+            if not layout.groups:  # nothing worth compressing: DDP's plain mean
+                out = _comm.all_reduce(ctx.divide(bucket), "sum", ctx.group)
+                return out, bucket.new_zeros(0), bucket.new_zeros(0)
+            x, rest = layout.split(bucket)
+            if error is not None:
+                x = x + error
+            if q is None:  # no warm start: a fresh draw for this bucket and step
+                q = _gaussian(layout.q_numel, _key(seed, b, step), bucket.dtype, bucket.device)
+            approx, mean_rest, new_q = _power_step(
+                x, rest, q, layout.groups, orthogonalization_epsilon, ctx
+            )
+            new_error = x - approx if error is not None else bucket.new_zeros(0)
+            return (
+                layout.join(approx, mean_rest),
+                new_error,
+                new_q if warm_start else q.new_zeros(0),
+            )
 
         def compress_all(
             buckets: list[torch.Tensor], error: Carry, q: Carry, step: torch.Tensor
@@ -412,8 +418,6 @@ def _powersgd(
                     error[b] if error_feedback else None,
                     q[b] if warm_start else None,
                     step,
-                    plan_layouts[b],
-                    ctx,
                 )
                 for b in range(n)
             ]
@@ -577,19 +581,12 @@ def powersgd(
     def layout_of(plan: BucketPlan, spec: BucketSpec) -> _Layout:
         return _per_leaf_layout(plan, spec, rank, min_compression_rate)
 
-    hook = _powersgd(
-        "powersgd",
-        layout_of,
-        start_step=start_step,
-        error_feedback=error_feedback,
-        warm_start=warm_start,
-        orthogonalization_epsilon=orthogonalization_epsilon,
-        seed=seed,
-    )
-    settings = dict(start_step=start_step, min_compression_rate=min_compression_rate)
-    settings |= dict(error_feedback=error_feedback, warm_start=warm_start, seed=seed)
-    settings |= dict(orthogonalization_epsilon=orthogonalization_epsilon)
-    return hook._replace(spec=spec_of("powersgd", rank, **settings))
+    settings = _Settings(start_step, error_feedback, warm_start, orthogonalization_epsilon, seed)
+    hook = _powersgd("powersgd", layout_of, settings)
+    described = dict(start_step=start_step, min_compression_rate=min_compression_rate)
+    described |= dict(error_feedback=error_feedback, warm_start=warm_start, seed=seed)
+    described |= dict(orthogonalization_epsilon=orthogonalization_epsilon)
+    return hook._replace(spec=spec_of("powersgd", rank, **described))
 
 
 def batched_powersgd(
@@ -651,16 +648,9 @@ def batched_powersgd(
     def layout_of(plan: BucketPlan, spec: BucketSpec) -> _Layout:
         return _batched_layout(plan, spec, rank, min_compression_rate)
 
-    hook = _powersgd(
-        "batched_powersgd",
-        layout_of,
-        start_step=start_step,
-        error_feedback=error_feedback,
-        warm_start=warm_start,
-        orthogonalization_epsilon=orthogonalization_epsilon,
-        seed=seed,
-    )
-    settings = dict(start_step=start_step, min_compression_rate=min_compression_rate)
-    settings |= dict(error_feedback=error_feedback, warm_start=warm_start, seed=seed)
-    settings |= dict(orthogonalization_epsilon=orthogonalization_epsilon)
-    return hook._replace(spec=spec_of("batched_powersgd", rank, **settings))
+    settings = _Settings(start_step, error_feedback, warm_start, orthogonalization_epsilon, seed)
+    hook = _powersgd("batched_powersgd", layout_of, settings)
+    described = dict(start_step=start_step, min_compression_rate=min_compression_rate)
+    described |= dict(error_feedback=error_feedback, warm_start=warm_start, seed=seed)
+    described |= dict(orthogonalization_epsilon=orthogonalization_epsilon)
+    return hook._replace(spec=spec_of("batched_powersgd", rank, **described))
