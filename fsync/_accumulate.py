@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from typing_extensions import Unpack
 
-from fsync import _checks, _comm, _planner, _tree
+from fsync import _checks, _comm, _planner, _state, _tree
 from fsync._agree import planned, refuse, verify_plan
 from fsync._hierarchy import shard_plan
 from fsync._options import OptionKeywords, SyncOptions
@@ -33,7 +33,7 @@ from fsync._reduce import (
     reduce_finish,
     unpack_reduced,
 )
-from fsync._serialization import register_state
+from fsync._state import register_state
 
 
 def accumulate(total: Any, grads: Any, /) -> Any:
@@ -213,7 +213,7 @@ class DeferredSync:
         return DeferredState(
             fingerprint=torch.tensor(plan.fingerprint, dtype=torch.int64),
             hook=init_hook(self.options, plan, self.group),
-            like=_planner.like(tree),
+            like=_state.like(tree),
             step=torch.zeros((), dtype=torch.int64),
             shards=tuple(torch.zeros(s.numel, dtype=s.dtype, device=s.device) for s in shards),
             micro=torch.zeros((), dtype=torch.int64),
@@ -262,7 +262,7 @@ class DeferredSync:
                 raise ValueError(_NOTHING_ADDED)
             _, plan, rebuild = _fit(self, None, state)
         except (ValueError, TypeError) as error:
-            like = (_planner.zeros_of(state.like, _device(self, state)), state)
+            like = (_state.zeros_of(state.like, _device(self, state)), state)
             return refuse(error, self.group, like)  # type: ignore[no-any-return]
         reduced = _reduce_finish(self, plan, state)
         new_state = state._replace(

@@ -52,7 +52,7 @@ import torch
 
 from fsync import _checks, _comm, _tree
 from fsync._plan import PLAN_CACHE_SIZE, BucketPlan
-from fsync._planner import python_at_trace_time
+from fsync._trace import python_at_trace_time
 
 _FIX = (
     "Every rank must pass the same tree (same structure, shapes, dtypes and layouts) with the "

@@ -33,7 +33,7 @@ from typing_extensions import Unpack
 
 from fsync import _comm, _tree
 from fsync._options import OptionKeywords
-from fsync._serialization import register_state
+from fsync._state import register_state
 from fsync._sync import GradSync, SyncState
 from fsync.optim._base import Optimizer, check_params, spec_paths
 from fsync.optim._sgd import sgd

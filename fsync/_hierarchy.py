@@ -23,7 +23,7 @@ import torch
 from fsync import _tree
 from fsync._pack import shard_numel
 from fsync._plan import PLAN_CACHE_SIZE, BucketPlan, LeafSpec
-from fsync._planner import python_at_trace_time
+from fsync._trace import python_at_trace_time
 
 _Bucket = tuple[int, torch.dtype, torch.device]
 

@@ -21,7 +21,8 @@ import torch
 from fsync import _tree
 from fsync._checks import check_buffers
 from fsync._plan import PLAN_CACHE_SIZE, BucketPlan, BucketSpec, LeafLayout, LeafSpec
-from fsync._planner import empty_sparse, fit_tree, like_of_spec
+from fsync._planner import fit_tree
+from fsync._state import empty_sparse, like_of_spec
 
 
 def flat(leaf: torch.Tensor | None, spec: LeafSpec, dtype: torch.dtype) -> torch.Tensor:

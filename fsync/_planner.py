@@ -10,17 +10,17 @@ graph, its checks run once per compilation, and no planning is traced.
 
 Owns: flattening for a plan, [fsync.plan_buckets][], DDP's assignment on
 tensors ([fsync.compute_bucket_assignment_by_size][]) and the check that a tree
-fits a plan. May import: ``_tree``, ``_trace``, ``_plan``, ``_checks`` (layers 1 to 3).
+fits a plan. May import: ``_tree``, ``_trace``, ``_plan``, ``_state``, ``_checks`` (layers 1
+to 3).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -39,11 +39,9 @@ from fsync._plan import (
     leaf_spec,
     size_limits,
 )
-from fsync._serialization import register_state
+from fsync._state import SparseLike
 
 logger = logging.getLogger("fsync")
-
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class PlanOptions(NamedTuple):
@@ -82,44 +80,6 @@ class Planned(NamedTuple):
     leaves: list[Any]
     plan: BucketPlan
     rebuild: Callable[[Sequence[Any]], Any]
-
-
-class Found(NamedTuple):
-    """A check's error, handed back as a value by a function dynamo calls as Python."""
-
-    kind: str
-    """``"ValueError"`` or ``"TypeError"``."""
-    message: str
-
-
-def python_at_trace_time(fn: _F) -> _F:
-    """Marks ``fn`` for dynamo to call as Python, its result a constant of the graph.
-
-    ``torch.compiler.assume_constant_result`` (``_trace.constant_result``), typed;
-    eagerly a plain call. The arguments must be constants (metadata, keys, options,
-    plans). A ``ValueError`` or ``TypeError`` that ``fn`` raises (a check that failed)
-    is handed out of it as a value and raised again by the caller: inside the
-    constant function dynamo would wrap it in an error of its own, while raised by
-    traced code it is fsync's error, which an entry point can catch and turn into
-    every rank's (``_agree.refuse``).
-    """
-
-    def checked(*args: Any) -> Any:
-        try:
-            return fn(*args)
-        except (ValueError, TypeError) as error:
-            return Found(type(error).__name__, str(error))
-
-    constant = _trace.constant_result(checked)
-
-    @functools.wraps(fn)
-    def call(*args: Any) -> Any:
-        result = constant(*args)
-        if isinstance(result, Found):
-            raise (TypeError if result.kind == "TypeError" else ValueError)(result.message)
-        return result
-
-    return cast(_F, call)
 
 
 # --- flattening ------------------------------------------------------------------------------
@@ -335,14 +295,14 @@ def _traced_assignment(
     return key, assign(*_columns_of(key), limits)
 
 
-@python_at_trace_time
+@_trace.python_at_trace_time
 def _columns_of(key: _Key) -> tuple[tuple[Any, ...], tuple[int, ...], tuple[bool, ...]]:
     structure, metas, options, what, device = key
     _, specs = _leaf_specs(_as_key(structure), metas, what, device)
     return _columns(specs, _sequence(specs, options[3]), options[2])
 
 
-@python_at_trace_time
+@_trace.python_at_trace_time
 def _plan_assigned(
     key: _Key,
     assigned: list[tuple[int, ...]] | None,
@@ -498,86 +458,6 @@ def value_plan(tree: Any, what: str) -> Planned:
                 "Call .to_dense() on it first."
             )
     return planned
-
-
-# --- trees held as metadata ------------------------------------------------------------------
-
-
-def like(tree: Any, /) -> Any:
-    """``tree`` with every tensor leaf replaced by a tensor that holds its metadata only.
-
-    A dense leaf becomes a meta tensor of its shape, strides and dtype (no
-    memory); a sparse leaf an empty sparse tensor of its shape on its device.
-    States keep such a tree, so that a sync can rebuild its plan from
-    ``(state, options)`` alone.
-    """
-    return optree.tree_map(
-        _like_leaf, tree, is_leaf=lambda x: x is None, none_is_leaf=True, namespace=_tree.NAMESPACE
-    )
-
-
-def like_of_spec(leaf: LeafSpec | None) -> torch.Tensor | SparseLike | None:
-    """The leaf ``like`` makes of a tensor, from its plan's spec of it (metadata only)."""
-    if leaf is None:
-        return None
-    if leaf.sparse:
-        return SparseLike(leaf.shape, leaf.sparse_dim, leaf.dtype, leaf.device)
-    strides = [0] * len(leaf.shape)
-    step = 1
-    for d in reversed(leaf.perm):
-        strides[d] = step
-        step *= max(leaf.shape[d], 1)
-    return torch.empty_strided(leaf.shape, strides, dtype=leaf.dtype, device="meta")
-
-
-def zeros_of(held: Any, device: torch.device, /) -> Any:
-    """Zeros with the shapes, strides and dtypes of a tree that ``like`` made, on ``device``."""
-    return optree.tree_map(
-        lambda x: torch.zeros_like(x, device=device) if isinstance(x, torch.Tensor) else x,
-        held,
-        is_leaf=lambda x: x is None,
-        none_is_leaf=True,
-        namespace=_tree.NAMESPACE,
-    )
-
-
-@register_state
-@dataclasses.dataclass(frozen=True)
-class SparseLike:
-    """What a state keeps of a sparse COO leaf: its metadata (``torch.compile`` takes no sparse
-    tensor in, not even an empty one, and a state must pass through it).
-
-    Attributes:
-        shape: The leaf's shape.
-        sparse_dim: Its number of sparse dimensions.
-        dtype: Its dtype.
-        device: Its device.
-    """
-
-    shape: tuple[int, ...]
-    sparse_dim: int
-    dtype: torch.dtype
-    device: torch.device
-
-
-def _like_leaf(leaf: Any) -> Any:
-    if not isinstance(leaf, torch.Tensor):
-        return leaf
-    if leaf.layout == torch.sparse_coo:
-        return SparseLike(tuple(leaf.shape), leaf.sparse_dim(), leaf.dtype, leaf.device)
-    return torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device="meta")
-
-
-def empty_sparse(
-    shape: tuple[int, ...], sparse_dim: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """A coalesced sparse COO tensor of ``shape`` without entries."""
-    return torch.sparse_coo_tensor(
-        torch.zeros(sparse_dim, 0, dtype=torch.int64, device=device),
-        torch.zeros(0, *shape[sparse_dim:], dtype=dtype, device=device),
-        shape,
-        check_invariants=True,
-    ).coalesce()
 
 
 def fit_like(

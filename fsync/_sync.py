@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from typing_extensions import Unpack
 
-from fsync import _checks, _comm, _grad, _planner, _tree
+from fsync import _checks, _comm, _grad, _planner, _state, _tree
 from fsync._agree import planned, refuse, verify_plan
 from fsync._hook import Hook
 from fsync._options import OptionKeywords, SyncOptions
@@ -32,7 +32,7 @@ from fsync._reduce import (
     sync_tree,
     unpack_reduced,
 )
-from fsync._serialization import register_state
+from fsync._state import register_state
 
 
 @register_state
@@ -198,7 +198,7 @@ class GradSync:
         return SyncState(
             fingerprint=torch.tensor(plan.fingerprint, dtype=torch.int64),
             hook=init_hook(self.options, plan, self.group),
-            like=_planner.like(tree),
+            like=_state.like(tree),
             step=torch.zeros((), dtype=torch.int64),
         )
 
@@ -297,7 +297,7 @@ def _expected(sync: GradSync, grads: Any, state: Any) -> Any:
     rest of the step traces."""
     if not isinstance(state, SyncState):
         return grads
-    return _planner.zeros_of(state.like, _comm.default_device(sync.group))
+    return _state.zeros_of(state.like, _comm.default_device(sync.group))
 
 
 def _fit(
@@ -328,9 +328,7 @@ def _init_plan(options: SyncOptions, tree: Any) -> tuple[Any, BucketPlan]:
     given = tree if isinstance(tree, BucketPlan) else None
     device = None
     if given is not None:
-        tree = _tree.unflatten(
-            given.treespec, [_planner.like_of_spec(leaf) for leaf in given.leaves]
-        )
+        tree = _tree.unflatten(given.treespec, [_state.like_of_spec(leaf) for leaf in given.leaves])
         device = given.specs[0].device if given.specs else None
     plan = _planner.plan_tree(tree, options.plan, what="tree", device=device).plan
     if given is not None and given != plan:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from fsync import _checks, _comm, _pack, _planner, _tree
+from fsync import _checks, _comm, _pack, _planner, _state, _tree
 from fsync._agree import Agreement, planned, refuse, verify_plan
 from fsync._backward import TorchFunc, synced_backward
 from fsync._hook import Hook
@@ -322,7 +322,7 @@ def _fresh(step: ZeroStep, params: Any, layout: ZeroLayout, opt_state: Any) -> Z
         layout.tensor(),
         init_hook(step.options, layout.plan, step.group),
         opt_state,
-        _planner.like(params),
+        _state.like(params),
         torch.zeros((), dtype=torch.int64),
     )
 

@@ -22,9 +22,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsync import _checks, _comm, _pack, _planner, _tree
+from fsync import _checks, _comm, _pack, _trace, _tree
 from fsync._plan import BucketPlan
-from fsync._serialization import register_state
+from fsync._state import register_state
 from fsync.optim._base import Optimizer
 
 _META = torch.device("meta")
@@ -149,7 +149,7 @@ def zero_layout(plan: BucketPlan, world_size: int, rank: int, shard_buckets: boo
     )
 
 
-@_planner.python_at_trace_time
+@_trace.python_at_trace_time
 def _assign_pieces(
     numels: tuple[int, ...],
     nbytes: tuple[int, ...],

@@ -34,7 +34,7 @@ from fsync import _comm
 from fsync._checks import check_floating
 from fsync._hook import Buckets, Hook, SyncContext, spec_of
 from fsync._plan import BucketPlan, BucketSpec
-from fsync._serialization import register_state
+from fsync._state import register_state
 
 _MASK32 = 0xFFFFFFFF
 

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fsync import _tree
-from fsync._serialization import register_state
+from fsync._state import register_state
 from fsync.optim._base import (
     LearningRate,
     Optimizer,
