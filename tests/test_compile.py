@@ -284,6 +284,9 @@ class _Recording(PackPass):
         self.packs += [len(n.args[0]) for n in graph.nodes if n.target is target]
         super().__call__(graph)
 
+    def uuid(self):
+        return None  # no cache key: inductor compiles afresh, so that the pass sees the graph
+
 
 def _on_rank_fsync_compile_bitwise():
     rank = dist.get_rank()
