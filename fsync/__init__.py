@@ -6,10 +6,11 @@ under ``torch.compile(fullgraph=True)``; ``fsync.grad_and_value(loss_fn)`` is
 ``torch.func.grad_and_value`` whose gradients come back synced, communication started
 as backward completes each bucket. Hooks (``fsync.ops``) transform the buckets;
 ``fsync.GradSync`` threads their state; ``fsync.diloco`` syncs a pseudo-gradient every H
-steps (DiLoCo, local SGD).
+steps (DiLoCo, local SGD); ``fsync.checkpoint`` saves and resumes the parameters and
+optimizer states (ZeRO's sharded ones too) through ``torch.distributed.checkpoint``.
 """
 
-from fsync import ops, optim
+from fsync import checkpoint, ops, optim
 from fsync._accumulate import DeferredState, DeferredSync, accumulate
 from fsync._broadcast import broadcast, sync_buffers
 from fsync._compile import compile
@@ -44,6 +45,7 @@ __all__ = [
     "accumulate",
     "broadcast",
     "chain",
+    "checkpoint",
     "compile",
     "compute_bucket_assignment_by_size",
     "diloco",

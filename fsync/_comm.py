@@ -14,8 +14,9 @@ within the group and across replicas, and ``hierarchy`` takes them as a 2-D
 mesh's); ``ALONE`` is this rank by itself (the update group of a step that splits
 nothing). With one rank no collective is issued.
 
-Owns: every call into ``torch.distributed`` and the differences between torch
-releases. May import: torch and ``_trace`` (layer 1, above ``_trace`` alone).
+Owns: every call into ``torch.distributed`` (DCP's too, for ``fsync.checkpoint``:
+``checkpointing``) and the differences between torch releases. May import: torch and
+``_trace`` (layer 1, above ``_trace`` alone).
 """
 
 from __future__ import annotations
@@ -871,3 +872,19 @@ def default_device(group: Group) -> torch.device:
     if "gloo" in backend or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+@functools.cache
+def checkpointing() -> Any:
+    """``torch.distributed.checkpoint`` (DCP), for ``fsync.checkpoint``: imported on first
+    use, not with fsync (DCP and the DTensor modules it pulls in take about 0.5 s to import).
+    Its ``metadata`` and ``planner`` submodules are loaded with it."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+def initialized() -> bool:
+    """Whether a default process group exists (a checkpoint is also written by one process
+    without one)."""
+    return dist.is_available() and dist.is_initialized()

@@ -55,6 +55,10 @@ def _slug(heading: str) -> str:
 # Pages whose python blocks this file does not run, with the reason.
 _NOT_RUN_HERE = {
     "api.md": "mkdocstrings directives only; the docstrings' examples run as doctests",
+    "checkpoints.md": (
+        "its recipe needs a directory every rank sees: tests/test_checkpoint.py runs it on "
+        "1 to 4 ranks"
+    ),
     "fault-tolerance.md": (
         "needs a lighthouse and replica processes: its step is examples/fault_tolerance.py's, "
         "which tests/test_examples.py runs with a replica killed"

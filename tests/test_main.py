@@ -22,7 +22,7 @@ import fsync.ops
 import fsync.optim
 
 ROOT = pathlib.Path(__file__).parent.parent
-MODULES = (fsync, fsync.ops, fsync.optim, fsync.ft)
+MODULES = (fsync, fsync.ops, fsync.optim, fsync.ft, fsync.checkpoint)
 
 
 def test_python_m_fsync_reports_and_self_checks():
