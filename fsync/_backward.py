@@ -59,22 +59,11 @@ import torch
 
 from fsync import _checks, _comm, _pack, _tree
 from fsync._agree import Agreed, Agreement, begin, refuse
+from fsync._apply import alone, context, finish_bucket, start_bucket
+from fsync._hierarchy import GatheringPipeline, pipelined, reduce_started, start_within
 from fsync._hook import Hook, SyncContext
 from fsync._plan import BucketPlan
-from fsync._reduce import (
-    GatheringPipeline,
-    Reduced,
-    SyncCall,
-    alone,
-    context,
-    finish_bucket,
-    hook_of,
-    pipelined,
-    reduce_started,
-    start_bucket,
-    start_within,
-    terms,
-)
+from fsync._reduce import Reduced, SyncCall, hook_of, terms
 
 _Job = tuple[Callable[[], None], threading.Event]
 

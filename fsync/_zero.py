@@ -48,11 +48,12 @@ import torch
 
 from fsync import _checks, _comm, _pack, _planner, _state, _tree
 from fsync._agree import Agreement, planned, refuse, verify_plan
+from fsync._apply import context
 from fsync._backward import TorchFunc, synced_backward
 from fsync._hook import Hook
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan
-from fsync._reduce import SyncCall, agree_and_pack, context, dense, hook_of, init_hook
+from fsync._reduce import SyncCall, agree_and_pack, dense, hook_of, init_hook
 from fsync._zero_layout import (
     ZeroLayout,
     ZeroState,

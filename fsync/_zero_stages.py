@@ -29,7 +29,7 @@ gathers in plan order, each gather right after its own reduce, after the reduce
 of the bucket that follows it, or after every reduce.
 
 Buckets go one at a time only where both halves allow it: a bucketwise hook
-over a flat group (``_reduce.pipelined``; PowerSGD, or a 2-D mesh, reduces every
+over a flat group (``_hierarchy.pipelined``; PowerSGD, or a 2-D mesh, reduces every
 bucket at once, in ``drain``) and a leafwise optimizer
 ([fsync.optim.Optimizer][]'s ``leafwise``: the update of each bucket's piece on
 its own gives the bits of one update of all pieces, see ``PieceUpdates``).
@@ -46,16 +46,9 @@ from typing import Any, NamedTuple
 import torch
 
 from fsync import _comm, _tree
+from fsync._apply import alone, finish_bucket, start_bucket
+from fsync._hierarchy import pipelined, reduce_started, reduce_started_shards, start_within
 from fsync._hook import Hook, SyncContext
-from fsync._reduce import (
-    alone,
-    finish_bucket,
-    pipelined,
-    reduce_started,
-    reduce_started_shards,
-    start_bucket,
-    start_within,
-)
 from fsync._zero_layout import (
     Piece,
     ZeroLayout,
@@ -158,7 +151,7 @@ class ZeroPipeline:
         hook: The hook the gradient buckets go through.
         hook_state: Its state.
         ctx: The hook's context for every dense bucket, the ranks' agreement done
-            (``_reduce.context``, with ``scatter`` when buckets are sharded).
+            (``_apply.context``, with ``scatter`` when buckets are sharded).
     """
 
     def __init__(self, update: ZeroUpdate, hook: Hook, hook_state: Any, ctx: SyncContext) -> None:
