@@ -34,8 +34,9 @@ Under ``torch.compile`` the same function runs as an opaque custom op
 compiled step as they do eagerly; the packed buckets depend on its result, so no
 bucket collective can be scheduled before it.
 
-Owns: what ranks compare and the words for how they differ. May import:
-``_comm``, ``_tree``, ``_plan``, ``_checks``, ``_planner`` (layers 1 to 4).
+Owns: what ranks compare (the words for how they differ are ``_differences``). May
+import: ``_comm``, ``_tree``, ``_trace``, ``_plan``, ``_differences``, ``_checks``
+(layers 1 to 3).
 """
 
 from __future__ import annotations
@@ -51,14 +52,10 @@ import optree
 import torch
 
 from fsync import _checks, _comm, _tree
+from fsync._differences import FIX, describe, first_difference
 from fsync._plan import PLAN_CACHE_SIZE, BucketPlan
 from fsync._trace import python_at_trace_time
 
-_FIX = (
-    "Every rank must pass the same tree (same structure, shapes, dtypes and layouts) with the "
-    "same sync options, at every step. Build the plan from the parameter tree (GradSync.init("
-    "params)) so that gradients unused on some ranks are still covered."
-)
 _SKIPPED = (
     "ranks are at different syncs of this group: {who}. A rank skipped a sync (a sync "
     "written inside `if rank == 0:`, or a rank that ran out of data without active=False), "
@@ -71,11 +68,6 @@ _OTHER_STATE_HERE = (
 _OTHER_STATE = (
     "state belongs to another plan (its fingerprint differs from the plan of the gradients) "
     "on {who}. Pass the state that this sync's init returned, or the previous step's."
-)
-_OTHER_HOOK_STATE = (
-    "the hook's state differs across ranks: {detail}. A state made for another plan or "
-    "another hook (a stale or reloaded one) on some rank? Pass the state this sync's init "
-    "returned for this plan, or the previous step's."
 )
 _REFUSED = (
     "{who} cannot take part in this sync, so no rank sent its buckets (every rank raises this "
@@ -288,7 +280,7 @@ def _raise(problem: str, control: torch.Tensor, description: str, group: _comm.G
         where = ", ".join(f"rank {r} at sync {s}" for r, s in enumerate(steps))
         raise ValueError(_SKIPPED.format(who=where))
     descriptions = [json.loads(d) for _, d in everyone]
-    raise ValueError(f"{first_difference(descriptions)} {_FIX}")
+    raise ValueError(f"{first_difference(descriptions)} {FIX}")
 
 
 def _found(everyone: list[tuple[list[int], str]]) -> Exception:
@@ -401,97 +393,6 @@ def _check_fully_used(
     have = _comm.ranks_in_words([r for r, h in enumerate(has) if h])
     lack = _comm.ranks_in_words([r for r, h in enumerate(has) if not h])
     raise ValueError(_PARTLY_UNUSED.format(path=paths[position], have=have, lack=lack))
-
-
-def first_difference(descriptions: list[dict[str, Any]]) -> str:
-    """Words for the first way in which a rank's description differs from rank 0's."""
-    ref = descriptions[0]
-    what = ref["what"]
-    for rank, other in enumerate(descriptions[1:], start=1):
-        for key in ("hook", "state", "find_unused", "divide_by"):
-            mine, theirs = ref["options"][key], other["options"][key]
-            if key == "state" and mine != theirs:
-                return _state_difference(mine, theirs, rank)
-            if mine != theirs:
-                if key != "hook":  # a hook's spec reads as code already
-                    mine, theirs = repr(mine), repr(theirs)
-                return (
-                    f"the ranks' sync options differ: {key} is {mine} on rank 0 but {theirs} "
-                    f"on rank {rank}."
-                )
-        words = _plan_difference(ref["plan"], other["plan"], rank)
-        if words is not None:
-            return f"{what} differ across ranks: {words}"
-    return f"{what} differ across ranks in a way their descriptions do not show."
-
-
-def _state_difference(mine: list[str], theirs: list[str], rank: int) -> str:
-    for leaf, (a, b) in enumerate(zip(mine, theirs, strict=False)):
-        if a != b:
-            return _OTHER_HOOK_STATE.format(
-                detail=f"its leaf {leaf} is {a} on rank 0 but {b} on rank {rank}"
-            )
-    detail = f"it has {len(mine)} leaves on rank 0 but {len(theirs)} on rank {rank}"
-    return _OTHER_HOOK_STATE.format(detail=detail)
-
-
-def _plan_difference(ref: dict[str, Any], other: dict[str, Any], rank: int) -> str | None:
-    for (path0, desc0), (path1, desc1) in zip(ref["leaves"], other["leaves"], strict=False):
-        if path0 != path1:
-            return f"the leaf at this position is {path0!r} on rank 0 but {path1!r} on rank {rank}."
-        if desc0 != desc1:
-            return f"leaf {path0!r} has {desc0} on rank 0 but {desc1} on rank {rank}."
-    n0, n1 = len(ref["leaves"]), len(other["leaves"])
-    if n0 != n1:
-        longer, extra = (0, ref) if n0 > n1 else (rank, other)
-        return (
-            f"rank 0 has {n0} leaves and rank {rank} has {n1}; the first extra one is "
-            f"{extra['leaves'][min(n0, n1)][0]!r} on rank {longer}."
-        )
-    if ref["structure"] != other["structure"]:
-        return (
-            f"the tree structure is {ref['structure']} on rank 0 but {other['structure']} on "
-            f"rank {rank}."
-        )
-    if ref["reduce_dtype"] != other["reduce_dtype"]:
-        return (
-            f"reduce_dtype is {ref['reduce_dtype']} on rank 0 but {other['reduce_dtype']} on "
-            f"rank {rank}."
-        )
-    if ref["buckets"] != other["buckets"]:
-        return (
-            f"the bucket plans differ (bucket_cap_mb, first_bucket_mb, order or buckets) "
-            f"between rank 0 and rank {rank}: {ref['buckets']} on rank 0 but "
-            f"{other['buckets']} on rank {rank}."
-        )
-    return None
-
-
-@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def _described(
-    plan_description: str,
-    hook: str,
-    find_unused: bool,
-    divide_by: str,
-    what: str,
-    state: tuple[str, ...],
-) -> str:
-    options = {"hook": hook, "state": state, "find_unused": find_unused, "divide_by": divide_by}
-    plan = json.loads(plan_description)
-    return json.dumps({"plan": plan, "options": options, "what": what})
-
-
-@python_at_trace_time
-def describe(
-    plan_description: str,
-    hook: str,
-    find_unused: bool,
-    divide_by: str,
-    what: str,
-    state: tuple[str, ...] = (),
-) -> str:
-    """This rank's plan and options in words (JSON), exchanged only on a disagreement."""
-    return _described(plan_description, hook, find_unused, divide_by, what, state)
 
 
 @python_at_trace_time
