@@ -2,9 +2,9 @@
 
     torchrun --standalone --nproc-per-node 2 examples/gpt.py
     torchrun --standalone --nproc-per-node 2 examples/gpt.py --steps 100 --decay-steps 300 \\
-        --checkpoint /tmp/gpt.pt
+        --checkpoint /tmp/gpt-ckpt
     torchrun --standalone --nproc-per-node 2 examples/gpt.py --steps 300 \\
-        --checkpoint /tmp/gpt.pt --resume
+        --checkpoint /tmp/gpt-ckpt --resume
 
 Every rank draws its own random windows of the training text (the first 90% of
 ``examples/data/corpus.txt``) and computes synced gradients with
@@ -17,10 +17,12 @@ step never recompiles. The progress bar shows the loss (mean over ranks) and
 tokens per second; the loss on the held-out last 10% is printed every
 ``--eval-every`` steps and at the end, followed by a sample of generated text.
 
-With ``--checkpoint PATH`` rank 0 saves the parameters, the optimizer state and
-the step with ``torch.save`` at every evaluation and at the end; ``--resume``
-loads them on every rank (``torch.load``, weights-only) and continues to
-``--steps``. The batches and the learning rate are functions of the step, so a
+With ``--checkpoint PATH`` (a directory) every rank saves the parameters, the
+optimizer state, the step and the model's shape through
+``torch.distributed.checkpoint`` at every evaluation and at the end
+(``dcp.save(fsync.checkpoint.state_dict(...))``, written beside PATH and swapped in
+once complete); ``--resume`` loads them on every rank (``fsync.checkpoint.load``)
+and continues to ``--steps``. The batches and the learning rate are functions of the step, so a
 run stopped and resumed gives the same numbers as one that never stopped, as
 long as both use the same ``--decay-steps`` (the length of the schedule, by
 default ``--steps``). ``--device cuda`` runs on GPUs with NCCL.
@@ -30,14 +32,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
-import os
 import pathlib
+import shutil
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from _common import describe_world, distributed, mean_over_ranks, parser, print0
 from _corpus import Corpus, batch_at, batch_seed, held_out_loss, next_char_loss
 from gpt_model import GPT, GPTConfig
@@ -63,7 +67,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches, split over ranks")
-    p.add_argument("--checkpoint", type=pathlib.Path, default=None, help="where to save")
+    p.add_argument(
+        "--checkpoint", type=pathlib.Path, default=None, help="where to save (a directory)"
+    )
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument(
         "--sample-chars", type=int, default=200, help="characters to generate at the end"
@@ -87,19 +93,32 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
 # --- training -------------------------------------------------------------------------------
 
 
-def save(path: pathlib.Path, step: int, params: Params, opt_state: Any, model: GPT) -> None:
-    """Rank 0 writes the checkpoint (to a temporary file first: a crash never leaves half)."""
-    if dist.get_rank() != 0:
-        return
-    checkpoint = {
-        "step": step,
-        "params": params,
-        "opt_state": opt_state,  # an fsync.optim.AdamState: tensors, loadable weights-only
-        "config": dataclasses.asdict(model.config),
-    }
-    partial = path.with_name(path.name + ".partial")
-    torch.save(checkpoint, partial)
-    os.replace(partial, path)
+def save(
+    path: pathlib.Path, step: int, params: Params, opt_state: Any, opt: Any, model: GPT
+) -> None:
+    """Every rank writes its part (into a directory beside ``path``, swapped in once complete:
+    a crash never leaves half of one, nor mixes two)."""
+    sd = fsync.checkpoint.state_dict(params, opt_state, step=opt)
+    sd["example"] = {"step": step, "config": json.dumps(dataclasses.asdict(model.config))}
+    partial, old = (path.with_name(path.name + suffix) for suffix in (".partial", ".old"))
+    if dist.get_rank() == 0:  # what an interrupted save may have left
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    dcp.save(sd, checkpoint_id=partial)  # returns on every rank once .metadata is written
+    if dist.get_rank() == 0:
+        if path.exists():
+            path.rename(old)
+        partial.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()  # the checkpoint is in place before anyone goes on
+
+
+def saved_step_and_config(path: pathlib.Path) -> tuple[int, GPTConfig]:
+    """The step and the model's shape a checkpoint was saved at (read by every rank)."""
+    entry: dict[str, Any] = {"example": {"step": 0, "config": ""}}
+    dcp.load(entry, checkpoint_id=path)
+    return entry["example"]["step"], GPTConfig(**json.loads(entry["example"]["config"]))
 
 
 def main() -> None:
@@ -115,15 +134,14 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
     opt = fsync.optim.adamw(lr, weight_decay=args.weight_decay)
 
     if args.resume:
-        checkpoint = torch.load(args.checkpoint, map_location=device)  # weights-only
-        config = GPTConfig(**checkpoint["config"])
+        start, config = saved_step_and_config(args.checkpoint)
         model = GPT(config).to(device)
-        start, params, opt_state = checkpoint["step"], checkpoint["params"], checkpoint["opt_state"]
-        # The step count lives on the CPU, as in torch.optim: on a GPU its powers
-        # (bias corrections) would round differently and the run would not continue
-        # bit for bit.
-        opt_state = opt_state._replace(step=opt_state.step.cpu())
-        fsync.verify(params, values=True)  # every rank read the same file
+        # Into the new model's shapes and devices (its values are not read); the
+        # optimizer's step count stays on the CPU, as opt.init makes it (and torch.optim
+        # keeps it: on a GPU its powers would round differently).
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        params, opt_state = fsync.checkpoint.load(args.checkpoint, params, step=opt)
+        fsync.verify(params, values=True)  # every rank read the same values
         print0(f"resumed from {args.checkpoint} at step {start}")
     else:
         config = GPTConfig(
@@ -200,7 +218,7 @@ def train(args: argparse.Namespace, device: torch.device) -> None:
             if rank == 0:  # tqdm.write prints even where the bar is disabled
                 progress.write(f"step {done}: train loss {train_loss:.4f}, held-out {held_out:.4f}")
             if args.checkpoint is not None:
-                save(args.checkpoint, done, params, opt_state, model)
+                save(args.checkpoint, done, params, opt_state, opt, model)
     progress.close()
 
     if first_done is None:

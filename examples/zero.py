@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 examples/zero.py
     torchrun --standalone --nproc-per-node 2 examples/zero.py --whole-buckets
-    torchrun --standalone --nproc-per-node 4 examples/zero.py --checkpoint /tmp/zero.pt
+    torchrun --standalone --nproc-per-node 4 examples/zero.py --checkpoint /tmp/zero-ckpt
 
 The character-level GPT of ``examples/gpt.py`` trains with
 ``step = fsync.ops.zero(fsync.optim.adamw(...))`` and its gradient call
@@ -15,10 +15,12 @@ that owns it, which broadcasts it). The step runs eagerly, or with
 ``--compile`` as one ``fsync.compile`` graph.
 
 It prints the optimizer-state bytes each rank holds against what plain AdamW
-holds, trains, and then checkpoints: ``fsync.ops.zero_state_dict`` gathers
-the full AdamW state on rank 0, which saves it with the parameters; every rank
-loads the file into a ZeRO step of the *other* layout and takes one more step
-with both, which must agree bit for bit. It ends by checking that every rank
+holds, trains, and then checkpoints through ``torch.distributed.checkpoint``:
+``dcp.save(fsync.checkpoint.state_dict(params, state, step=step))``, every rank
+writing its own shard of the AdamW state (none gathers the whole); every rank loads
+the checkpoint into a ZeRO step of the *other* layout (``fsync.checkpoint.load``,
+each rank reading the elements its new shard needs) and takes one more step with
+both, which must agree bit for bit. It ends by checking that every rank
 holds the same parameters. ``--device cuda`` runs it on GPUs with NCCL.
 """
 
@@ -35,6 +37,7 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from _common import describe_world, distributed, mean_over_ranks, parser, print0
 from _corpus import Corpus, batch_at, batch_seed, held_out_loss, next_char_loss
 from gpt_model import GPT, GPTConfig
@@ -63,7 +66,7 @@ def parse_args() -> argparse.Namespace:
         "--checkpoint",
         type=pathlib.Path,
         default=None,
-        help="where to save the checkpoint (default: a temporary file, deleted at the end)",
+        help="the checkpoint's directory (default: a temporary one, deleted at the end)",
     )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
@@ -92,7 +95,8 @@ def report_memory(step: fsync.ops.ZeroStep, state: fsync.ops.ZeroState, params: 
 
 @contextlib.contextmanager
 def checkpoint_path(args: argparse.Namespace) -> Iterator[pathlib.Path]:
-    """``--checkpoint``, or a temporary file made by rank 0, named to all and removed after."""
+    """``--checkpoint``, or a temporary directory made by rank 0, named to all and removed
+    after."""
     if args.checkpoint is not None:
         yield args.checkpoint
         return
@@ -100,12 +104,12 @@ def checkpoint_path(args: argparse.Namespace) -> Iterator[pathlib.Path]:
         name: list[Any] = [None]
         if dist.get_rank() == 0:
             directory = stack.enter_context(tempfile.TemporaryDirectory(prefix="fsync-zero-"))
-            name = [str(pathlib.Path(directory) / "zero.pt")]
+            name = [str(pathlib.Path(directory) / "zero")]
         dist.broadcast_object_list(name, src=0)
         try:
             yield pathlib.Path(name[0])
         finally:
-            dist.barrier()  # nobody reads the file any more when rank 0 removes it
+            dist.barrier()  # nobody reads the checkpoint any more when rank 0 removes it
 
 
 def main() -> None:
@@ -187,19 +191,17 @@ def check_checkpoint(
     state: fsync.ops.ZeroState,
     other: fsync.ops.ZeroStep,
 ) -> None:
-    """Saves a full checkpoint, loads it into ``other``, checks that the next steps agree."""
-    full = fsync.ops.zero_state_dict(state, step, to=0)  # every rank calls it; None off rank 0
+    """Saves a checkpoint, every rank its shard; loads it into ``other``; checks that the
+    next steps agree."""
+    dcp.save(fsync.checkpoint.state_dict(params, state, step=step), checkpoint_id=path)
     if dist.get_rank() == 0:
-        torch.save({"params": params, "opt": full}, path)
-        print(f"checkpoint: {path} ({path.stat().st_size:,} bytes, with the full AdamW state)")
-    dist.barrier()  # the file is complete before anyone reads it
+        files = sorted(path.glob("*.distcp"))
+        nbytes = sum(f.stat().st_size for f in files)
+        print(f"checkpoint: {path} ({nbytes:,} bytes in {len(files)} files, one per rank)")
 
-    # Loaded on the CPU (the step count stays there, as torch.optim keeps it), the
-    # parameters then moved to this rank's device; load() puts the shards beside them.
-    checkpoint = torch.load(path, map_location="cpu")  # weights-only: fsync's states are known
-    device = next(iter(params.values())).device
-    loaded = {k: v.to(device) for k, v in checkpoint["params"].items()}
-    other_state = other.load(loaded, checkpoint["opt"])  # this rank's part, no communication
+    # Every rank reads the elements of its shard in the other layout (and the parameters,
+    # into new tensors shaped and placed like these: their values are not read).
+    loaded, other_state = fsync.checkpoint.load(path, params, step=other)
 
     # One more step in each layout, eagerly, from the same parameters, state and gradients.
     here, _ = step(params, grads, state)

@@ -306,3 +306,155 @@ def test_powersgd_state_is_restored_at_the_same_world_and_afresh_at_another(tmp_
     assert not _leaves_equal(saved[0].error, saved[1].error)  # each rank's own
     assert get_world(2).run(_on_rank_powersgd_load, path, saved, timeout=RUN_TIMEOUT) == [True] * 2
     assert get_world(1).run(_on_rank_powersgd_load, path, saved, timeout=RUN_TIMEOUT) == [True]
+
+
+# --- GradSync's and DiLoCo's states, with the optimizer's: (opt, sync), (opt, diloco) ------
+#
+# Every rank its own gradients (ref_batch(rank, s)), PowerSGD with error feedback: each
+# rank's hook state is its own. Resumed at the world of 2 that wrote it, the run goes on
+# bit for bit; at another world size what is each rank's own starts afresh, and the run
+# must equal a reference put together by hand from the writing world's values (the same
+# arithmetic on the same tensors: bit for bit).
+
+
+def _powersgd():
+    return fsync.ops.powersgd(rank=1, start_step=0, min_compression_rate=1.0)
+
+
+def _sync_run(opt, sync, params, opt_state, sync_state, steps):
+    """An optimizer after a GradSync, as examples/compression.py trains."""
+    rank, loss = dist.get_rank(), func_loss(ref_model())
+    for s in steps:
+        grads, sync_state = sync(torch.func.grad(loss)(params, ref_batch(rank, s)), sync_state)
+        params, opt_state = opt.update(params, grads, opt_state)
+    return params, opt_state, sync_state
+
+
+def _on_rank_sync_write(path):
+    """BEFORE steps, saved as (opt, sync), AFTER more: what was saved and the final params."""
+    opt, sync = fsync.optim.adamw(**ADAMW), fsync.GradSync(hook=_powersgd())
+    params = params_of(ref_model())
+    params, opt_state, sync_state = _sync_run(
+        opt, sync, params, opt.init(params), sync.init(params), range(BEFORE)
+    )
+    sd = fsync.checkpoint.state_dict(params, (opt_state, sync_state), step=(opt, sync))
+    dcp.save(sd, checkpoint_id=path)
+    saved = _clone(params), opt_state, sync_state.hook
+    final, _, _ = _sync_run(opt, sync, params, opt_state, sync_state, range(BEFORE, BEFORE + AFTER))
+    return saved, final
+
+
+def _on_rank_sync_resume(path, saved):
+    """Loaded as (opt, sync): restored (each rank its own hook state) at the world of
+    ``saved``, else the hook afresh; AFTER steps on, against the reference."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt, sync = fsync.optim.adamw(**ADAMW), fsync.GradSync(hook=_powersgd())
+    fresh = params_of(ref_model())
+    untouched = _clone(fresh)
+    params, (opt_state, sync_state) = fsync.checkpoint.load(path, fresh, step=(opt, sync))
+    assert all(torch.equal(fresh[k], untouched[k]) for k in fresh)  # nothing written to
+    want_params, want_opt, want_hook = saved[rank] if world == len(saved) else saved[0]
+    if world != len(saved):  # another world: the hook state as init makes it
+        want_hook = sync.init(want_params).hook
+    assert _leaves_equal(params, want_params) and _leaves_equal(opt_state, want_opt)
+    assert _leaves_equal(sync_state.hook, want_hook) and int(sync_state.step) == BEFORE
+    by_hand = sync.init(want_params)._replace(hook=want_hook, step=torch.tensor(BEFORE))
+    steps = range(BEFORE, BEFORE + AFTER)
+    continued, _, _ = _sync_run(opt, sync, params, opt_state, sync_state, steps)
+    reference, _, _ = _sync_run(opt, sync, _clone(want_params), want_opt, by_hand, steps)
+    assert _leaves_equal(continued, reference)
+    # A checkpoint of (opt, sync) is no checkpoint of opt alone, on every rank.
+    other = _error(lambda: fsync.checkpoint.load(path, fresh, step=opt))
+    unpaired = _error(lambda: fsync.checkpoint.state_dict(params, opt_state, step=(opt, sync)))
+    return continued, other, unpaired
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_sync_state_resumes_on_2_bit_for_bit_and_afresh_on_1_and_3(tmp_path):
+    path = str(tmp_path / "sync")
+    written = get_world(2).run(_on_rank_sync_write, path, timeout=RUN_TIMEOUT)
+    saved = [s for s, _ in written]
+    assert not _leaves_equal(saved[0][2].error, saved[1][2].error)  # each rank's own
+    resumed = get_world(2).run(_on_rank_sync_resume, path, saved, timeout=RUN_TIMEOUT)
+    for (_, final), (continued, _, _) in zip(written, resumed, strict=True):
+        assert _leaves_equal(continued, final)  # the uninterrupted run, bit for bit
+    for size in (1, 3):
+        get_world(size).run(_on_rank_sync_resume, path, saved, timeout=RUN_TIMEOUT)
+    other, unpaired = resumed[0][1:]
+    assert other[0] == "ValueError" and re.search(r"holds the states \['optim', 'sync'\]", other[1])
+    assert unpaired[0] == "TypeError" and re.search(r"tuple of their 2 states", unpaired[1])
+
+
+def _diloco_run(opt, outer, params, opt_state, diloco_state, steps):
+    """An inner optimizer on each rank's own gradients, then DiLoCo: examples/diloco.py."""
+    rank, loss = dist.get_rank(), func_loss(ref_model())
+    for s in steps:
+        grads = torch.func.grad(loss)(params, ref_batch(rank, s))
+        params, opt_state = opt.update(params, grads, opt_state)
+        params, diloco_state = outer.update(params, diloco_state)
+    return params, opt_state, diloco_state
+
+
+def _diloco_steps():
+    # H = 2 and BEFORE = 3: saved one inner step after a sync, the ranks' parameters apart.
+    return fsync.optim.adamw(**ADAMW), fsync.diloco(2, hook=_powersgd())
+
+
+def _diloco_values(state):
+    """A DiLoCoState's tensors (its SyncState's plan metadata left out)."""
+    return state.anchor, state.outer, state.sync.hook, state.sync.step, state.step
+
+
+def _on_rank_diloco_write(path):
+    opt, outer = _diloco_steps()
+    params = params_of(ref_model())
+    params, opt_state, state = _diloco_run(
+        opt, outer, params, opt.init(params), outer.init(params), range(BEFORE)
+    )
+    sd = fsync.checkpoint.state_dict(params, (opt_state, state), step=(opt, outer))
+    dcp.save(sd, checkpoint_id=path)
+    saved = _clone(params), opt_state, _diloco_values(state)
+    final, _, _ = _diloco_run(opt, outer, params, opt_state, state, range(BEFORE, BEFORE + AFTER))
+    return saved, final
+
+
+def _on_rank_diloco_resume(path, saved):
+    """Loaded as (opt, diloco): at the world of ``saved`` every rank's own parameters,
+    optimizer and hook state; at another, each rank from the anchor, its optimizer and
+    hook afresh. Anchor, outer state and step counts everywhere bit for bit."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt, outer = _diloco_steps()
+    params, (opt_state, state) = fsync.checkpoint.load(
+        path, params_of(ref_model()), step=(opt, outer)
+    )
+    want_params, want_opt, (anchor, outer_state, hook, sync_step, step) = (
+        saved[rank] if world == len(saved) else saved[0]
+    )
+    if world != len(saved):
+        want_params, want_opt = _clone(anchor), opt.init(anchor)
+        hook = outer.init(anchor).sync.hook
+    assert _leaves_equal(params, want_params) and _leaves_equal(opt_state, want_opt)
+    assert _leaves_equal(_diloco_values(state), (anchor, outer_state, hook, sync_step, step))
+    assert int(state.step) == BEFORE and int(state.sync.step) == 2
+    made = outer.init(anchor)
+    by_hand = made._replace(
+        outer=outer_state, sync=made.sync._replace(hook=hook, step=sync_step), step=step
+    )
+    steps = range(BEFORE, BEFORE + AFTER)
+    continued, _, _ = _diloco_run(opt, outer, params, opt_state, state, steps)
+    reference, _, _ = _diloco_run(opt, outer, _clone(want_params), want_opt, by_hand, steps)
+    assert _leaves_equal(continued, reference)
+    return continued
+
+
+@pytest.mark.timeout(2 * TIMEOUT)
+def test_diloco_state_resumes_on_2_bit_for_bit_and_from_the_anchor_on_3(tmp_path):
+    path = str(tmp_path / "diloco")
+    written = get_world(2).run(_on_rank_diloco_write, path, timeout=RUN_TIMEOUT)
+    saved = [s for s, _ in written]
+    assert not _leaves_equal(saved[0][0], saved[1][0])  # each rank's own parameters
+    assert not _leaves_equal(saved[0][2][2], saved[1][2][2])  # and error feedback
+    resumed = get_world(2).run(_on_rank_diloco_resume, path, saved, timeout=RUN_TIMEOUT)
+    for (_, final), continued in zip(written, resumed, strict=True):
+        assert _leaves_equal(continued, final)  # the uninterrupted run, bit for bit
+    get_world(3).run(_on_rank_diloco_resume, path, saved, timeout=RUN_TIMEOUT)

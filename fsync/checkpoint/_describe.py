@@ -1,10 +1,11 @@
 """What a checkpoint holds, in words small enough to compare before a tensor is read.
 
 ``fsync.checkpoint.state_dict`` stores beside the tensors one small entry, ``"fsync"``:
-a description of the parameter tree (every leaf's path, shape and dtype), the
-optimizer's state (its type and which of its entries are per parameter), how the
-ZeRO state was split (world size, mode, the plan's fingerprint) and the hook state's
-world and plan. ``load`` reads that entry and DCP's own metadata first, and compares
+a description of the parameter tree (every leaf's path, shape and dtype), which
+states it holds (``parts``), the optimizer's state (its type and which of its entries
+are per parameter), how the ZeRO state was split (world size, mode), the world and
+plan of each hook state, DiLoCo's outer optimizer, and the world whose ranks each
+stored their own parameters. ``load`` reads that entry and DCP's own metadata first, and compares
 them with what the caller's tree and step would make; the first difference is a
 ``ValueError`` naming it, on every rank, before anything else is read. This module
 also checks that a checkpoint directory is complete (DCP writes its ``.metadata``
@@ -27,6 +28,9 @@ from fsync import _comm
 FORMAT = 1
 KEY = "fsync"
 
+Optim = tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+"""An optimizer state described: its type, per-parameter, shared and ``None`` entries."""
+
 
 class Leaf(NamedTuple):
     """A parameter as a checkpoint describes it."""
@@ -42,7 +46,8 @@ class Description(NamedTuple):
     Attributes:
         format: The layout of the state dict (``FORMAT``).
         params: Every tensor leaf of the parameter tree, in flatten order.
-        optimizer: The optimizer state's type name (``"AdamState"``).
+        optimizer: The optimizer state's type name (``"AdamState"``), ``None``
+            where no optimizer state is stored.
         per_parameter: The optimizer state's entries that are trees like the
             parameters (``"exp_avg"``), stored per parameter.
         shared: Its other entries (``"step"``), stored once; ``None`` entries
@@ -50,8 +55,16 @@ class Description(NamedTuple):
         none: Its entries that are ``None`` (SGD's momentum without momentum).
         sharding: ``(world size, shard_buckets)`` of a ZeRO state, ``None`` for an
             optimizer state kept whole.
-        hook: ``(plan fingerprint, world size)`` the hook's state was made for, or
-            ``None`` when none is stored.
+        hook: ``(plan fingerprint, world size)`` the ZeRO hook's state was made
+            for, or ``None`` when none is stored.
+        parts: The kinds of the states stored, in the order of ``step``:
+            ``"zero"``, ``"optim"``, ``"sync"`` (a [fsync.GradSync][]'s),
+            ``"diloco"``.
+        sync: ``(plan fingerprint, world size)`` of the GradSync's hook state.
+        outer: DiLoCo's outer optimizer state, described as ``Optim``.
+        diloco: ``(plan fingerprint, world size)`` of DiLoCo's hook state.
+        local: The world size whose ranks each stored their own parameters and
+            optimizer state (with DiLoCo, whose ranks train apart), else ``None``.
     """
 
     format: int
@@ -62,6 +75,11 @@ class Description(NamedTuple):
     none: tuple[str, ...]
     sharding: tuple[int, bool] | None
     hook: tuple[int, int] | None
+    parts: tuple[str, ...] = ()
+    sync: tuple[int, int] | None = None
+    outer: Optim | None = None
+    diloco: tuple[int, int] | None = None
+    local: int | None = None
 
     def as_entry(self) -> str:
         """The value stored under ``"fsync"``: JSON, one string (a dict would be flattened
@@ -86,10 +104,12 @@ class Description(NamedTuple):
             )
         values = dict(entry)
         values["params"] = tuple(Leaf(p, tuple(s), d) for p, s, d in entry["params"])
-        for name in ("per_parameter", "shared", "none"):
-            values[name] = tuple(entry[name])
-        for name in ("sharding", "hook"):
-            values[name] = None if entry[name] is None else tuple(entry[name])
+        for name in ("per_parameter", "shared", "none", "parts"):
+            values[name] = tuple(entry.get(name, ()))
+        for name in ("sharding", "hook", "sync", "diloco"):
+            values[name] = None if entry.get(name) is None else tuple(entry[name])
+        outer = entry.get("outer")
+        values["outer"] = None if outer is None else (outer[0], *map(tuple, outer[1:]))
         return cls(**values)
 
 
@@ -125,17 +145,31 @@ def first_difference(saved: Description, mine: Description, where: str) -> str |
             f"the checkpoint at {where} holds parameter {extra[0]!r}, which this tree lacks "
             f"({len(extra)} of its {len(saved.params)} parameters are not here). {fix}"
         )
+    if saved.parts != mine.parts:
+        return (
+            f"the checkpoint at {where} holds the states {list(saved.parts)}, in that order; "
+            f"step makes {list(mine.parts)}. Pass as step the steps the checkpoint was saved "
+            "with (a tuple, such as (opt, sync), for several states)."
+        )
     theirs = (saved.optimizer, saved.per_parameter, saved.shared, saved.none)
     ours = (mine.optimizer, mine.per_parameter, mine.shared, mine.none)
-    if theirs != ours:
-        return (
-            f"the checkpoint at {where} holds the state of another optimizer: a "
-            f"{saved.optimizer} with per-parameter entries {list(saved.per_parameter)} and "
-            f"shared entries {list(saved.shared)}; this step's optimizer makes a "
-            f"{mine.optimizer} with {list(mine.per_parameter)} and {list(mine.shared)}. "
-            "Build the optimizer the checkpoint was written with."
-        )
-    return None
+    return _other_optimizer(where, "", theirs, ours) or (
+        None
+        if saved.outer is None or mine.outer is None
+        else _other_optimizer(where, "DiLoCo's outer ", saved.outer, mine.outer)
+    )
+
+
+def _other_optimizer(where: str, which: str, saved: Any, mine: Any) -> str | None:
+    if tuple(saved) == tuple(mine):
+        return None
+    return (
+        f"the checkpoint at {where} holds the state of another {which}optimizer: a "
+        f"{saved[0]} with per-parameter entries {list(saved[1])} and shared entries "
+        f"{list(saved[2])}; this step's {which}optimizer makes a {mine[0]} with "
+        f"{list(mine[1])} and {list(mine[2])}. Build the {which}optimizer the checkpoint "
+        "was written with."
+    )
 
 
 def _names(leaves: Sequence[Leaf]) -> str:

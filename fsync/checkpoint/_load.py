@@ -7,9 +7,10 @@ written by ``fsync.checkpoint.state_dict`` (the ``"fsync"`` entry), and that its
 parameters and optimizer are the caller's (``_describe.first_difference``) with the
 shapes and dtypes this state needs (DCP's metadata); the ranks then agree (one small
 exchange of what each found), so that every rank raises the same ``ValueError``. Only
-then does one ``dcp.load`` read, into tensors made here: the state the step makes
-for this world (``ZeroStep.init``, or the optimizer's ``init``), whose tensors the
-load fills in place, and new parameters. Nothing the caller passed is written to.
+then does one ``dcp.load`` read, into tensors made here: the states the steps make
+for this world (each step's ``init``), whose tensors the load fills in place, and new
+parameters; what is each rank's own and was saved for another world or plan is left
+out of that read and stays as ``init`` made it. Nothing the caller passed is written to.
 
 Owns: the resume. May import: what ``_state_dict`` may, and it.
 """
@@ -27,8 +28,8 @@ import torch
 from fsync import _comm, _tree
 from fsync.checkpoint import _describe
 from fsync.checkpoint._describe import Description
-from fsync.checkpoint._state_dict import Step, check_step, optim_state_dict, zero_state_dict
-from fsync.ops import ZeroStep
+from fsync.checkpoint._parts import Part, Step, is_composite, parts_of
+from fsync.checkpoint._state_dict import compose
 
 
 def load(
@@ -39,39 +40,46 @@ def load(
     step: Step,
     storage_reader: Any = None,
 ) -> tuple[Any, Any]:
-    """The parameters and the state of ``step`` from a checkpoint, for this world.
+    """The parameters and the states of ``step`` from a checkpoint, for this world.
 
     The checkpoint is what ``dcp.save(fsync.checkpoint.state_dict(...))`` wrote, by
     any number of ranks and, for a ZeRO step, in either sharding mode: each rank
-    reads only the elements its own pieces hold. Every rank calls it. The hook's
-    state (PowerSGD's error feedback and Q) is restored where the world size and
-    the bucket plan are those it was saved with, and starts afresh otherwise (as
-    ``init`` makes it: zero error feedback), since a rank's error feedback is what
-    that rank's compression has not yet delivered and has no meaning for another
-    split of the ranks or the buckets.
+    reads only the elements its own pieces hold. Every rank calls it. What is each
+    rank's own is restored where the world size and the bucket plan are those it
+    was saved with, and starts afresh otherwise: a hook's state (PowerSGD's error
+    feedback and Q, of a ZeRO step, a [fsync.GradSync][] or a DiLoCo) as ``init``
+    makes it, since a rank's error feedback is what that rank's compression has not
+    yet delivered and has no meaning for another split of the ranks or the buckets;
+    with a DiLoCo, whose ranks train apart between syncs, each rank's parameters
+    start from the anchor (the last sync's) and its inner optimizer's state as the
+    optimizer's ``init`` makes it. The step counts are restored everywhere.
 
     Args:
         checkpoint_id: The checkpoint's directory (``dcp.save``'s ``checkpoint_id``).
         params: A parameter tree of the checkpoint's structure, shapes, dtypes and
             devices (its values are not read: a freshly built model's will do).
-        step: The [fsync.ops.ZeroStep][] to resume (any world size, either
-            ``shard_buckets``), or the [fsync.optim.Optimizer][] whose state was saved.
+        step: The step the state was saved with: a [fsync.ops.ZeroStep][] (any
+            world size, either ``shard_buckets``), an [fsync.optim.Optimizer][], a
+            [fsync.GradSync][] or a [fsync.DiLoCo][]; or the tuple of steps given
+            to [fsync.checkpoint.state_dict][], in the same order.
         storage_reader: A DCP ``StorageReader`` for storage other than a file
             system (then the file checks are DCP's own).
 
     Returns:
         ``(params, state)``: new parameters (the checkpoint's values, with the
-        layouts and devices of ``params``) and this rank's new state, a
-        [fsync.ops.ZeroState][] whose step count is the checkpoint's, or the
-        optimizer's state.
+        layouts and devices of ``params``) and this rank's new state, as ``step``'s
+        ``init`` makes it for this world, filled from the checkpoint (a
+        [fsync.ops.ZeroState][], an optimizer's state, a [fsync.SyncState][], a
+        [fsync.DiLoCoState][]); for a tuple of steps, the tuple of their states.
 
     Raises:
         FileNotFoundError: ``checkpoint_id`` is no directory (on every rank).
         ValueError: The checkpoint is incomplete (no ``.metadata``, a data file
             missing or short), was not written by ``fsync.checkpoint.state_dict``,
-            or holds another model (its first differing parameter named) or
-            another optimizer's state; on every rank, before anything is read.
-        TypeError: ``step`` is no ZeroStep or Optimizer.
+            or holds another model (its first differing parameter named), other
+            states than ``step`` makes or another optimizer's state; on every
+            rank, before anything is read.
+        TypeError: ``step`` is none of these steps.
 
     Example:
         >>> import tempfile, warnings, torch, fsync
@@ -88,9 +96,9 @@ def load(
         >>> loaded["w"], int(state.step)
         (tensor([0.9000, 0.9000, 0.9000]), 1)
     """
-    check_step(step)
+    parts = parts_of(step)
     dcp = _comm.checkpointing()
-    group = step.group if isinstance(step, ZeroStep) else None
+    group = parts[0].step.group if parts[0].kind == "zero" else None
     where = repr(os.fspath(checkpoint_id))
     metadata, reader = _agreed(lambda: _read_metadata(checkpoint_id, storage_reader), group)
     saved = _agreed(lambda: _read_description(checkpoint_id, reader, metadata, where), group)
@@ -98,15 +106,12 @@ def load(
         _tree.structure(params),
         [None if x is None else torch.zeros_like(x) for x in _tree.flatten(params)[0]],
     )
-    if isinstance(step, ZeroStep):
-        state = step.init(fresh_params)  # collective: the ranks' trees agree
-        template = zero_state_dict(fresh_params, state, step)
-    else:
-        state = step.init(fresh_params)
-        template = optim_state_dict(fresh_params, state, step)
+    # The states the steps make for this world (collectives: the ranks' trees agree),
+    # whose tensors the load fills in place.
+    states = tuple(part.step.init(fresh_params) for part in parts)
+    template = compose(fresh_params, parts, states)
     mine = Description.of_entry(template.pop(_describe.KEY), where)
-    if saved.hook is None or saved.hook != mine.hook:
-        template.pop("hook", None)  # another world or plan: the hook starts afresh
+    apart = _without_what_starts_afresh(template, saved, mine)
 
     def check() -> None:
         problem = _describe.first_difference(saved, mine, where)
@@ -122,7 +127,37 @@ def load(
             storage_reader=_fresh_reader(reader),
             no_dist=not _comm.initialized(),
         )
-    return fresh_params, state
+    if apart:  # DiLoCo at another world: every rank from the anchor, its optimizer afresh
+        fresh_params, states = _from_anchor(parts, states)
+    return fresh_params, (states if is_composite(step) else states[0])
+
+
+def _without_what_starts_afresh(template: dict[str, Any], saved: Any, mine: Any) -> bool:
+    """Drops from ``template`` each rank's own entries that the checkpoint holds for another
+    world or plan (a hook state, DiLoCo's parameters and optimizer state): those start
+    afresh. Whether the local parameters did."""
+    if saved.hook is None or saved.hook != mine.hook:
+        template.pop("hook", None)  # another world or plan: the hook starts afresh
+    if "sync" in template and saved.sync != mine.sync:
+        template["sync"].pop("hook")
+    if "diloco" in template and saved.diloco != mine.diloco:
+        template["diloco"]["sync"].pop("hook")
+    if "local" in template and saved.local != mine.local:
+        template.pop("local")
+        return True
+    return False
+
+
+def _from_anchor(parts: tuple[Part, ...], states: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """The parameters (copies of DiLoCo's loaded anchor) and the states, the inner
+    optimizer's made afresh for them."""
+    anchor = next(s for p, s in zip(parts, states, strict=True) if p.kind == "diloco").anchor
+    leaves, treespec = _tree.flatten(anchor)
+    params = _tree.unflatten(treespec, [None if x is None else x.clone() for x in leaves])
+    fresh = tuple(
+        p.step.init(params) if p.kind == "optim" else s for p, s in zip(parts, states, strict=True)
+    )
+    return params, fresh
 
 
 def _read_metadata(checkpoint_id: Any, storage_reader: Any) -> tuple[Any, Any]:

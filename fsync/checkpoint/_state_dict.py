@@ -1,8 +1,9 @@
-"""fsync's states as DCP state dicts, and back: each rank writes and reads what it owns.
+"""fsync's states as DCP state dicts: each rank writes what it owns.
 
 ``state_dict(params, state, step=...)`` is a dict for ``torch.distributed.checkpoint``
 (DCP): ``dcp.save(sd, checkpoint_id=path)`` (or ``dcp.async_save``) writes it, every
-rank its own part. Its entries, as DCP names them:
+rank its own part. ``step`` is what made ``state``, or a tuple of such steps with the
+tuple of their states (``_parts``). Its entries, as DCP names them:
 
 * ``params.<path>``: the parameters, whole (the same on every rank: DCP writes each
   once, spreading them over the ranks);
@@ -13,17 +14,16 @@ rank its own part. Its entries, as DCP names them:
   every rank reading only what its own pieces need;
 * ``optim.<entry>``: the optimizer's other entries (its step count);
 * ``step``: the ZeRO state's step count;
-* ``hook.rank<r>.<i>``: rank ``r``'s hook state (PowerSGD's error feedback and Q),
-  leaf ``i`` of its tree, one entry per rank;
+* ``hook.rank<r>.<i>``: rank ``r``'s ZeRO hook state (PowerSGD's error feedback and
+  Q), leaf ``i`` of its tree, one entry per rank;
+* ``sync.*`` and ``diloco.*``: a GradSync's and a DiLoCo's states (``_sync_states``);
+  with a DiLoCo, whose ranks train apart, ``params`` and ``optim`` are each rank's own
+  and stored as ``local.rank<r>.params`` and ``local.rank<r>.optim``;
 * ``fsync``: the description ``load`` compares first (``_describe``).
 
-``load(path, params, step=...)`` reads the description and DCP's metadata, checks
-them against the caller's tree and step (the first difference a ``ValueError`` on
-every rank, before any tensor is read), then one ``dcp.load`` into fresh tensors
-shaped for this world: nothing the caller passed is written to.
-
-Owns: the checkpoint's layout (``state_dict``, ``load``). May import: every layer
-below the entry points, ``_zero``, ``fsync.optim``, and this package's modules.
+Owns: the checkpoint's layout (``state_dict``, ``compose``) and the entries of an
+optimizer or ZeRO state. May import: every layer below the entry points, ``_zero``,
+``_sync``, ``_diloco``, ``fsync.optim``, and this package's modules.
 """
 
 from __future__ import annotations
@@ -38,71 +38,47 @@ from fsync._zero_layout import ZeroLayout
 from fsync.checkpoint import _describe
 from fsync.checkpoint._chunks import Chunks, range_chunks
 from fsync.checkpoint._describe import Description
-
-# Through fsync.ops, which imports the ZeRO step's modules in the order they need.
+from fsync.checkpoint._entries import (
+    Named,
+    described,
+    hook_entry,
+    named,
+    optim_entries,
+    params_entry,
+    process,
+    slots,
+    tensor,
+)
+from fsync.checkpoint._parts import Part, Step, is_composite, parts_of, states_of
+from fsync.checkpoint._sync_states import diloco_part, sync_part
 from fsync.ops import ZeroState, ZeroStep
 from fsync.optim._base import Optimizer
 
-Step = ZeroStep | Optimizer
-
 _META = torch.device("meta")
 
+Made = tuple[dict[str, Any], dict[str, Any]]
+"""A part's entries and its description's fields."""
 
-def check_step(step: Any) -> None:
-    if not isinstance(step, ZeroStep | Optimizer):
-        raise TypeError(
-            f"step is a {type(step).__name__}; expected the fsync.ops.ZeroStep the state "
-            "belongs to, or the fsync.optim.Optimizer whose state it is."
-        )
-
-
-def _named_params(params: Any) -> tuple[list[str], list[Any], Any]:
-    """The paths, leaves and structure of a parameter tree (paths unique)."""
-    leaves, treespec = _tree.flatten(params)
-    paths = [_tree.path_str(p) for p in treespec.paths()]
-    if len(set(paths)) != len(paths):
-        seen = next(p for p in paths if paths.count(p) > 1)
-        raise ValueError(
-            f"two parameters have the path {seen!r}; a checkpoint names each parameter by "
-            "its path, so the paths must differ (do not mix a key 'a.b' with a nested 'a': "
-            "{'b': ...})."
-        )
-    for path, x in zip(paths, leaves, strict=True):
-        if x is not None and not isinstance(x, torch.Tensor):
-            raise TypeError(f"params leaf {path!r} is a {type(x).__name__}; expected a tensor.")
-    return paths, leaves, treespec
-
-
-def _slots(opt_state: Any, is_per_parameter: Callable[[Any], bool]) -> list[tuple[str, Any]]:
-    """The optimizer state's entries, ``(name, value)``: per-parameter ones whole."""
-    slots, spec = _tree.flatten(opt_state, is_leaf=is_per_parameter)
-    # Named as code reads them (a NamedTuple's fields by name): ".exp_avg" -> "exp_avg".
-    names = [a.codify("").lstrip(".") or "<root>" for a in spec.accessors()]
-    return list(zip(names, slots, strict=True))
-
-
-def _description(
-    params: Any, slots: list[tuple[str, Any]], per: Callable[[Any], bool], opt_state: Any, **kw: Any
-) -> Description:
-    paths, leaves, _ = _named_params(params)
-    return Description(
-        format=_describe.FORMAT,
-        params=tuple(
-            _describe.leaf(p, x) for p, x in zip(paths, leaves, strict=True) if x is not None
-        ),
-        optimizer=type(opt_state).__name__,
-        per_parameter=tuple(n for n, s in slots if per(s)),
-        shared=tuple(n for n, s in slots if not per(s) and s is not None),
-        none=tuple(n for n, s in slots if s is None),
-        **kw,
-    )
+# The description's fields where no part sets them.
+_NO_FIELDS: dict[str, Any] = {
+    "optimizer": None,
+    "per_parameter": (),
+    "shared": (),
+    "none": (),
+    "sharding": None,
+    "hook": None,
+    "sync": None,
+    "outer": None,
+    "diloco": None,
+    "local": None,
+}
 
 
 # --- the state dict ------------------------------------------------------------------------
 
 
 def state_dict(params: Any, state: Any, /, *, step: Step) -> dict[str, Any]:
-    """A DCP state dict of the parameters and the optimizer state: each rank's own part.
+    """A DCP state dict of the parameters and the states of ``step``: each rank's own part.
 
     Save it with ``torch.distributed.checkpoint.save(sd, checkpoint_id=path)`` (or
     ``async_save``) on every rank; resume with [fsync.checkpoint.load][] at any world
@@ -112,109 +88,107 @@ def state_dict(params: Any, state: Any, /, *, step: Step) -> dict[str, Any]:
 
     Args:
         params: The parameter tree (every rank the same values, as a ZeRO step or
-            [fsync.sync_grads][] leaves them).
-        state: A [fsync.ops.ZeroState][] of ``step`` (this rank's part), or the
-            state of the optimizer ``step`` (an [fsync.optim.AdamState][] or
-            [fsync.optim.SGDState][] over ``params``, the same on every rank).
-        step: The [fsync.ops.ZeroStep][] the state belongs to, or the
-            [fsync.optim.Optimizer][].
+            [fsync.sync_grads][] leaves them; with a DiLoCo, each rank's own).
+        state: The state of ``step``: a [fsync.ops.ZeroState][] (this rank's
+            part), an optimizer's state over ``params`` (an [fsync.optim.AdamState][]
+            or [fsync.optim.SGDState][]), a [fsync.SyncState][] or a
+            [fsync.DiLoCoState][]; or, for a tuple of steps, the tuple of their
+            states, as the train step holds them: ``(opt_state, sync_state)``.
+        step: What made ``state``: the [fsync.ops.ZeroStep][], the
+            [fsync.optim.Optimizer][], the [fsync.GradSync][] or the
+            [fsync.DiLoCo][]; or a tuple of them, at most one of each kind (a
+            ZeroStep alone): ``(opt, sync)``, ``(opt, diloco)``.
 
     Returns:
-        A dict of the entries the module ``fsync.checkpoint`` lists: ``params``,
-        ``optim`` (per-parameter entries in the parameters' shapes; a ZeRO rank's
-        only its elements), ``step``, ``hook`` (this rank's hook state) and ``fsync``
-        (what [fsync.checkpoint.load][] checks first).
+        A dict of the entries the guide "Checkpoints" lists: ``params``, ``optim``
+        (per-parameter entries in the parameters' shapes; a ZeRO rank's only its
+        elements), ``step`` and ``hook`` (a ZeRO state's), ``sync`` and ``diloco``,
+        ``local`` (with a DiLoCo: each rank's parameters and optimizer state) and
+        ``fsync`` (what [fsync.checkpoint.load][] checks first).
 
     Raises:
-        TypeError: ``step`` is neither, or ``state`` is not its state.
-        ValueError: ``state`` belongs to another plan, world or rank, or two
+        TypeError: ``step`` is none of these, or ``state`` is not its state (or
+            not the tuple of its states, in order).
+        ValueError: ``step`` holds two steps of a kind or a ZeroStep beside
+            another, ``state`` belongs to another plan, world, rank or tree, or two
             parameters share a path.
 
     Example:
         >>> import torch, fsync
-        >>> opt = fsync.optim.adam(0.1)
+        >>> opt, sync = fsync.optim.adam(0.1), fsync.GradSync()
         >>> params = {"w": torch.ones(3)}
-        >>> params, state = opt.update(params, {"w": torch.ones(3)}, opt.init(params))
-        >>> sd = fsync.checkpoint.state_dict(params, state, step=opt)
-        >>> sorted(sd["optim"]["state"]["w"]), sd["optim"]["step"]
-        (['exp_avg', 'exp_avg_sq'], tensor(1))
+        >>> opt_state, sync_state = opt.init(params), sync.init(params)
+        >>> grads, sync_state = sync({"w": torch.ones(3)}, sync_state)
+        >>> params, opt_state = opt.update(params, grads, opt_state)
+        >>> sd = fsync.checkpoint.state_dict(
+        ...     params, (opt_state, sync_state), step=(opt, sync))
+        >>> sorted(sd["optim"]["state"]["w"]), sd["optim"]["step"], sd["sync"]["step"]
+        (['exp_avg', 'exp_avg_sq'], tensor(1), tensor(1))
     """
-    check_step(step)
-    if isinstance(step, ZeroStep):
-        if not isinstance(state, ZeroState):
-            raise TypeError(
-                f"state is a {type(state).__name__}; expected the fsync.ops.ZeroState of step."
-            )
-        return zero_state_dict(params, state, step)
-    if isinstance(state, ZeroState):
-        raise TypeError(
-            "state is a ZeroState but step is an fsync.optim.Optimizer; pass the ZeroStep "
-            "the state belongs to as step."
-        )
-    return optim_state_dict(params, state, step)
+    parts = parts_of(step)
+    return compose(params, parts, states_of(parts, state, is_composite(step)))
 
 
-def optim_state_dict(params: Any, opt_state: Any, optimizer: Optimizer) -> dict[str, Any]:
-    paths, leaves, treespec = _named_params(params)
-
-    def per(x: Any) -> bool:
-        return x is not None and _tree.structure(x) == treespec
-
-    slots = _slots(opt_state, per)
-    optim: dict[str, Any] = {"state": {}}
-    for name, value in slots:
-        if per(value):
-            for path, x in zip(paths, _tree.flatten(value)[0], strict=True):
-                if x is not None:
-                    optim["state"].setdefault(path, {})[name] = x
-        elif value is not None:
-            optim[name] = _tensor(value, f"optimizer state entry {name!r}")
-    description = _description(params, slots, per, opt_state, sharding=None, hook=None)
-    return {
-        "params": _params_entry(paths, leaves),
-        "optim": optim,
-        _describe.KEY: description.as_entry(),
-    }
+def compose(params: Any, parts: tuple[Part, ...], states: tuple[Any, ...]) -> dict[str, Any]:
+    """The state dict of ``params`` and the checked ``states`` of ``parts``."""
+    tree = named(params)
+    entries: dict[str, Any] = {"params": params_entry(tree)}
+    fields = dict(_NO_FIELDS, parts=tuple(p.kind for p in parts))
+    for part, value in zip(parts, states, strict=True):
+        made, more = _PARTS[part.kind](tree, value, part.step)
+        entries.update(made)
+        fields.update(more)
+    if fields["local"] is not None:  # DiLoCo: every rank's parameters and optimizer its own
+        own = {k: entries.pop(k) for k in ("params", "optim") if k in entries}
+        entries["local"] = {f"rank{process()[0]}": own}
+    leaves = tuple(
+        _describe.leaf(p, x) for p, x in zip(tree.paths, tree.leaves, strict=True) if x is not None
+    )
+    description = Description(format=_describe.FORMAT, params=leaves, **fields)
+    entries[_describe.KEY] = description.as_entry()
+    return entries
 
 
-def _tensor(x: Any, what: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what} is a {type(x).__name__}; a checkpoint holds tensors only.")
-    return x
+def _optim_fields(
+    optim: tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]],
+) -> dict[str, Any]:
+    name, per_parameter, shared, none = optim
+    return {"optimizer": name, "per_parameter": per_parameter, "shared": shared, "none": none}
 
 
-def _params_entry(paths: list[str], leaves: list[Any]) -> dict[str, torch.Tensor]:
-    return {p: x.detach() for p, x in zip(paths, leaves, strict=True) if x is not None}
+def _optim_part(tree: Named, opt_state: Any, _: Optimizer) -> Made:
+    optim, optim_described = optim_entries(tree, opt_state)
+    return {"optim": optim}, _optim_fields(optim_described)
 
 
-def zero_state_dict(params: Any, state: ZeroState, step: ZeroStep) -> dict[str, Any]:
+def _zero_part(tree: Named, state: ZeroState, step: ZeroStep) -> Made:
     layout = step.layout(state)  # raises for a state of another plan, world or rank
-    paths, leaves, _ = _named_params(params)
-    _check_params(paths, leaves, layout)
-    slots = _slots(state.opt, layout.is_pieces)
+    _check_params(tree.paths, tree.leaves, layout)
+    found = slots(state.opt, layout.is_pieces)
     dtypes = iter(_bucket_dtypes(layout, step.optimizer))
     optim: dict[str, Any] = {"state": {}}
-    for name, value in slots:
+    for name, value in found:
         if layout.is_pieces(value):
             for path, chunks in _leaf_chunks(layout, value, next(dtypes)).items():
                 optim["state"].setdefault(path, {})[name] = chunks
         elif value is not None:
-            optim[name] = _tensor(value, f"optimizer state entry {name!r}")
-    description = _description(
-        params,
-        slots,
-        layout.is_pieces,
-        state.opt,
-        sharding=(layout.world_size, layout.shard_buckets),
-        hook=_hook_key(layout, step),
-    )
-    return {
-        "params": _params_entry(paths, leaves),
+            optim[name] = tensor(value, f"optimizer state entry {name!r}")
+    entries = {
         "optim": optim,
         "step": state.step,
-        "hook": {f"rank{_comm.rank(step.group)}": _hook_entry(state.hook)},
-        _describe.KEY: description.as_entry(),
+        "hook": {f"rank{_comm.rank(step.group)}": hook_entry(state.hook)},
     }
+    fields = _optim_fields(described(state.opt, found, layout.is_pieces))
+    fields.update(sharding=(layout.world_size, layout.shard_buckets), hook=_hook_key(layout, step))
+    return entries, fields
+
+
+_PARTS: dict[str, Callable[[Named, Any, Any], Made]] = {
+    "zero": _zero_part,
+    "optim": _optim_part,
+    "sync": sync_part,
+    "diloco": diloco_part,
+}
 
 
 def _check_params(paths: list[str], leaves: list[Any], layout: ZeroLayout) -> None:
@@ -241,11 +215,6 @@ def _hook_key(layout: ZeroLayout, step: ZeroStep) -> tuple[int, int]:
     return layout.plan.fingerprint, _comm.size(step.group)
 
 
-def _hook_entry(hook_state: Any) -> dict[str, torch.Tensor]:
-    leaves, _ = _tree.flatten(hook_state)
-    return {str(i): _tensor(x, "a hook state leaf") for i, x in enumerate(leaves)}
-
-
 def _bucket_dtypes(layout: ZeroLayout, optimizer: Optimizer) -> list[list[torch.dtype]]:
     """Per per-parameter entry of the optimizer state, the dtype it has in each bucket (what
     ``optimizer.init`` makes of the whole buckets: also where this rank holds none)."""
@@ -266,13 +235,13 @@ def _leaf_chunks(
     held: dict[int, tuple[list[tuple[int, ...]], list[torch.Tensor]]] = {
         i: ([], []) for i, leaf in enumerate(plan.leaves) if leaf is not None and leaf.numel
     }
-    for piece, tensor in zip(layout.pieces, pieces, strict=True):
+    for piece, flat_piece in zip(layout.pieces, pieces, strict=True):
         spec = plan.specs[piece.bucket]
         for i, offset, size in zip(spec.leaves, spec.offsets, spec.sizes, strict=True):
             start, stop = max(piece.lo, offset), min(piece.hi, offset + size)
             leaf = plan.leaves[i]
             if start < stop and leaf is not None:
-                flat = tensor[start - piece.lo : stop - piece.lo]
+                flat = flat_piece[start - piece.lo : stop - piece.lo]
                 rects, views = range_chunks(flat, leaf.shape, leaf.perm, start - offset)
                 held[i][0].extend(o for o, _ in rects)
                 held[i][1].extend(views)
