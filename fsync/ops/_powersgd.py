@@ -314,6 +314,19 @@ class _Settings(NamedTuple):
     orthogonalization_epsilon: float
     seed: int
 
+    def spec(self, name: str, rank: int, min_compression_rate: float) -> str:
+        """The hook's spec: its factory's name and every setting, in the factory's order."""
+        return spec_of(
+            name,
+            rank,
+            start_step=self.start_step,
+            min_compression_rate=min_compression_rate,
+            error_feedback=self.error_feedback,
+            warm_start=self.warm_start,
+            seed=self.seed,
+            orthogonalization_epsilon=self.orthogonalization_epsilon,
+        )
+
 
 def _powersgd(name: str, layout_of: LayoutFn, settings: _Settings) -> Hook:
     """The hook shared by [fsync.ops.powersgd][] and [fsync.ops.batched_powersgd][]."""
@@ -583,10 +596,7 @@ def powersgd(
 
     settings = _Settings(start_step, error_feedback, warm_start, orthogonalization_epsilon, seed)
     hook = _powersgd("powersgd", layout_of, settings)
-    described = dict(start_step=start_step, min_compression_rate=min_compression_rate)
-    described |= dict(error_feedback=error_feedback, warm_start=warm_start, seed=seed)
-    described |= dict(orthogonalization_epsilon=orthogonalization_epsilon)
-    return hook._replace(spec=spec_of("powersgd", rank, **described))
+    return hook._replace(spec=settings.spec("powersgd", rank, min_compression_rate))
 
 
 def batched_powersgd(
@@ -650,7 +660,4 @@ def batched_powersgd(
 
     settings = _Settings(start_step, error_feedback, warm_start, orthogonalization_epsilon, seed)
     hook = _powersgd("batched_powersgd", layout_of, settings)
-    described = dict(start_step=start_step, min_compression_rate=min_compression_rate)
-    described |= dict(error_feedback=error_feedback, warm_start=warm_start, seed=seed)
-    described |= dict(orthogonalization_epsilon=orthogonalization_epsilon)
-    return hook._replace(spec=spec_of("batched_powersgd", rank, **described))
+    return hook._replace(spec=settings.spec("batched_powersgd", rank, min_compression_rate))
