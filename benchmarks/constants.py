@@ -1,4 +1,4 @@
-"""What every page shares: the learning rate, the bucket size on a slow link, link rates.
+"""What every page shares: where things are, the learning rate, the bucket size on a slow link.
 
 The bottom of ``benchmarks/``: it imports nothing of the package, and every other module
 may import it (workloads and the harness above it, pages on top).
@@ -22,8 +22,3 @@ def caps(cap: float | None) -> dict[str, Any]:
     """The keyword for buckets of ``cap`` MiB, as DDP and fsync both take it (``None``: each
     library's default)."""
     return {} if cap is None else {"bucket_cap_mb": cap}
-
-
-def label(rate: str) -> str:
-    """A rate as a page prints it: ``"8gbit"`` -> ``"8 Gbit/s"``; ``"unshaped"`` stays."""
-    return rate.replace("gbit", " Gbit/s") if rate.endswith("gbit") else rate

@@ -27,9 +27,9 @@ restart costs what a real one does. By hand, one rate::
     ../shared/tools/slownet --rate 8gbit -- python -m benchmarks.ft --child 8gbit \\
         --json 8gbit.json
 
-This module imports the harness and the page's helpers where they are used, not at the
-top: a replica process imports it too, and its start-up (timed by question 3) should be
-what a training process pays, without ``torch._inductor`` (2 s here).
+This module imports the harness and the steps where they are used, not at the top: a
+replica process imports it too, and its start-up (timed by question 3) should be what a
+training process pays, without ``torch._inductor`` (2 s here).
 """
 
 from __future__ import annotations
@@ -58,12 +58,14 @@ import torch.distributed as dist
 
 import fsync
 import fsync.ft
-from benchmarks.constants import CAP_MB, DOCS, LR, ROOT, TOOLS, caps, label
+from benchmarks import page, table
+from benchmarks.constants import CAP_MB, LR, ROOT, caps
 from benchmarks.models import Load, Workload
+from benchmarks.page import label, row_key
 
 if TYPE_CHECKING:
-    from benchmarks.harness import Built, Row, Setting, Spread
-    from benchmarks.table import Table, Target
+    from benchmarks.harness import Built, Row, Setting
+    from benchmarks.table import Spread, Table, Target
 
 RATES = ("unshaped", "8gbit")
 PLAIN = "fsync, plain gloo group"
@@ -93,35 +95,9 @@ HEARTBEAT_INTERVAL_MS = 100
 SLACK_S = 2.0  # a recovery's target: within torchft's longest wait on its path + this
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, unshaped only")
-    parser.add_argument("--rounds", type=int, default=None, help="turns per setting (10)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per turn (10)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per world (3)")
-    parser.add_argument("--rates", default=",".join(RATES), help=f"comma-separated, of {RATES}")
-    parser.add_argument("--slownet", type=pathlib.Path, default=TOOLS / "slownet")
-    parser.add_argument("--out", type=pathlib.Path, default=DOCS, help="report folder")
-    parser.add_argument("--child", metavar="RATE", help="measure at one rate (inside slownet)")
-    parser.add_argument("--json", type=pathlib.Path, help="child: where to write its results")
-    parser.add_argument("--replica", metavar="CONFIG", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.rounds = args.rounds or (1 if args.smoke else 10)
-    # 10 steps a turn (3 until 2026-11-28: 0.4 s of the MLP, shorter than the swings of
-    # these shared 2 cores, which moved a round's ratio by up to a third).
-    args.steps = args.steps or (1 if args.smoke else 10)
-    args.warmup = args.warmup or (1 if args.smoke else 3)
-    return args
-
-
 def loads(smoke: bool) -> list[Load]:
     """The benchmark MLP at batch 64 and the GPT at 256 tokens (4 sequences of 64)."""
     return [Load("MLP", 64, smoke=smoke), Load("GPT", 256, smoke=smoke)]
-
-
-def row_key(load: Load, cap: float | None) -> str:
-    """A row's name: the load, and its buckets where not the libraries' default."""
-    return str(load) if cap is None else f"{load}, {cap:g} MiB buckets"
 
 
 def local(address: str) -> str:
@@ -174,24 +150,6 @@ def connect(lighthouse: str, replica_id: str) -> fsync.ft.Replica:
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
         quorum_timeout=datetime.timedelta(seconds=QUORUM_TIMEOUT_S),
     )
-
-
-def plain_fsync(load: Load, cap: float | None) -> Built:
-    """``fsync.grad_and_value`` over the world's own gloo group, ``fsync.optim.adamw``."""
-    from benchmarks.harness import Built
-    from benchmarks.steps import Held
-
-    work = load.build()
-    batch = work.batch(dist.get_rank())
-    opt = fsync.optim.adamw(LR)
-    grad_fn = fsync.grad_and_value(work.functional_loss, **caps(cap))
-
-    def train(params: dict[str, torch.Tensor], state: Any) -> Any:
-        grads, _ = grad_fn(params, batch)
-        return opt.update(params, grads, state)
-
-    params = work.params()
-    return Built(Held(train, params, opt.init(params)))
 
 
 def ft_fsync(load: Load, cap: float | None, lighthouse: str) -> Built:
@@ -277,48 +235,28 @@ def torchft_ddp(load: Load, cap: float | None, lighthouse: str) -> Built:
     return Built(step, lambda: _commits(manager, calls[0]))
 
 
-def ddp(load: Load, cap: float | None) -> Built:
-    """``torch.nn.parallel.DistributedDataParallel`` over the world's gloo group, AdamW."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from benchmarks.harness import Built
-
-    work = load.build()
-    batch = work.batch(dist.get_rank())
-    model = DistributedDataParallel(work.model, **caps(cap))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        torch.autograd.backward(work.loss(model, batch))
-        optimizer.step()
-
-    return Built(step)
-
-
 def _commits(manager: Any, calls: int) -> dict[str, Any]:
     """Steps run and steps torchft committed (its step count) in a setting's world."""
     return {"steps": calls, "committed": int(manager.current_step())}
 
 
 def row_settings(load: Load, cap: float | None, lighthouses: Mapping[str, str]) -> list[Setting]:
-    """The steps of a row (:data:`SETTINGS`), in buckets of ``cap`` MiB; ``lighthouses``:
-    each torchft setting's address."""
+    """The steps of a row (:data:`SETTINGS`), in buckets of ``cap`` MiB, with AdamW;
+    ``lighthouses``: each torchft setting's address."""
+    from benchmarks import steps
     from benchmarks.steps import setting
 
-    builders: dict[str, Callable[..., Built]] = {
-        PLAIN: plain_fsync,
-        FT: ft_fsync,
-        FT_REPLICATED: ft_replicated,
-        TORCHFT_DDP: torchft_ddp,
-        DDP: ddp,
-    }
-
-    def kwargs(name: str) -> dict[str, Any]:
-        where = {"lighthouse": lighthouses[name]} if name in lighthouses else {}
-        return {"load": load, "cap": cap, **where}
-
-    return [setting(name, build, **kwargs(name)) for name, build in builders.items()]
+    row: dict[str, Any] = {"load": load, "cap": cap}
+    adamw = {**row, "optimizer": "adamw"}
+    return [
+        # fsync.grad_and_value over the world's own gloo group, then fsync.optim.adamw
+        setting(PLAIN, steps.functional, sync="grad_and_value", **adamw),
+        setting(FT, ft_fsync, lighthouse=lighthouses[FT], **row),
+        setting(FT_REPLICATED, ft_replicated, lighthouse=lighthouses[FT_REPLICATED], **row),
+        setting(TORCHFT_DDP, torchft_ddp, lighthouse=lighthouses[TORCHFT_DDP], **row),
+        # torch.nn.parallel.DistributedDataParallel over it, torch.optim.AdamW
+        setting(DDP, steps.module, ddp=True, **adamw),
+    ]
 
 
 # --- 3. recovery: replica processes, one killed and restarted ---------------------------------
@@ -520,8 +458,9 @@ def timeline(
 # --- one rate, in its namespace -------------------------------------------------------------
 
 
-def child(args: argparse.Namespace, rate: str) -> dict[str, Any]:
-    """Every row at ``rate`` (the loopback already shaped); the recovery where unshaped."""
+def measure(args: argparse.Namespace, rate: str, env: Mapping[str, str]) -> dict[str, Any]:
+    """Every row at ``rate`` (the loopback already shaped), ``env`` set in every setting's
+    processes; the recovery where unshaped."""
     from benchmarks import harness
 
     os.environ.setdefault("RUST_LOG", "error")  # the lighthouses' log: errors only
@@ -535,14 +474,14 @@ def child(args: argparse.Namespace, rate: str) -> dict[str, Any]:
         }
         try:
             addresses = {name: local(lighthouse.address()) for name, lighthouse in made.items()}
-            out["steps"][row_key(load, cap)] = harness.turns(
-                row_settings(load, cap, addresses), **timing, env={"RUST_LOG": "error"}
+            out["steps"][row_key(load, cap, None)] = harness.turns(
+                row_settings(load, cap, addresses), **timing, env={**env, "RUST_LOG": "error"}
             )
         finally:
             for lighthouse in made.values():
                 lighthouse.shutdown()
         took = time.perf_counter() - started
-        print(f"ft {rate}: {row_key(load, cap)} ({took:.0f} s)", flush=True)
+        print(f"ft {rate}: {row_key(load, cap, None)} ({took:.0f} s)", flush=True)
     if rate == "unshaped":
         kill_at, after = (2, 1) if args.smoke else (5, 3)
         for load in loads(args.smoke):
@@ -553,25 +492,6 @@ def child(args: argparse.Namespace, rate: str) -> dict[str, Any]:
             out["recovery"][str(load)] = found
             print(f"ft recovery: {load} ({time.perf_counter() - started:.0f} s)", flush=True)
     return out
-
-
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Every rate: unshaped in this process, each shaped one in a child under slownet."""
-    from benchmarks import harness
-
-    results: dict[str, Any] = {}
-    for rate in ["unshaped"] if args.smoke else [r for r in args.rates.split(",") if r]:
-        if rate == "unshaped":  # this machine's loopback as it is: nothing to shape
-            results[rate] = child(args, rate)
-            continue
-        command = [sys.executable, "-m", "benchmarks.ft", "--child", rate]
-        command += [f"--rounds={args.rounds}", f"--steps={args.steps}"]
-        command += [f"--warmup={args.warmup}", *(["--smoke"] if args.smoke else [])]
-        found = harness.at_rate(command, rate, args.slownet, {})
-        if found is None:  # not root: the page shows what ran
-            break
-        results[rate] = found
-    return results
 
 
 # --- the page --------------------------------------------------------------------------------
@@ -591,11 +511,10 @@ def bound_s() -> float:
 def targets(results: Mapping[str, Any]) -> list[Target]:
     """(target, measured, met), judged on the median over the rounds; ``not run`` where a
     rate or a row was not run."""
-    from benchmarks import harness, table
 
     def ratio(rate: str, key: str, name: str, base: str) -> Spread | None:
         row: Row | None = results.get(rate, {}).get("steps", {}).get(key)
-        return harness.ratio(row, name, base) if row else None
+        return table.ratio(row, name, base) if row else None
 
     out: list[Target] = []
     keys = [str(load) for load in loads(False)]
@@ -605,7 +524,7 @@ def targets(results: Mapping[str, Any]) -> list[Target]:
             out.append(table.check(text, ratio(rate, key, FT, PLAIN), OVERHEAD))
     against = f"{AGAINST_DDP:.2f}x torchft DDP, {label(AGAINST_DDP_RATE)}"
     for load, cap in itertools.product(loads(False), CAPS[AGAINST_DDP_RATE]):
-        key = row_key(load, cap)
+        key = row_key(load, cap, None)
         for name, what in ((FT, "fsync.ft"), (FT_REPLICATED, "fsync.ft replicated")):
             text = f"{key}: {what} <= {against}"
             out.append(
@@ -632,8 +551,6 @@ def targets(results: Mapping[str, Any]) -> list[Target]:
 
 def tables(results: Mapping[str, Any]) -> list[tuple[Table, str]]:
     """Every table of the page, with the note printed above it."""
-    from benchmarks import table
-
     out: list[tuple[Table, str]] = []
     for rate, found in results.items():
         cells = []
@@ -759,40 +676,43 @@ TIMEOUT_NOTE = (
 )
 
 
-def write(
-    results: Mapping[str, Any], out: pathlib.Path, args: argparse.Namespace
-) -> list[pathlib.Path]:
-    """``benchmarks-ft.md`` in ``out``; ``args``: the run's rounds, steps and warm-up."""
-    from benchmarks import table
+def environment(args: argparse.Namespace, results: Mapping[str, Any]) -> dict[str, str]:
+    """What the page adds to the table of what it was measured on."""
+    return {
+        "torchft": importlib.metadata.version("torchft"),
+        "backend": "gloo on CPU, 2 replica groups of 1 rank, 1 intra-op thread each",
+        "rates": ", ".join(label(r) for r in results) or "none",
+        "rounds": f"{args.rounds}, of {args.steps} steps each (after {args.warmup} untimed)",
+    }
 
-    environment = table.environment(
-        torchft=importlib.metadata.version("torchft"),
-        backend="gloo on CPU, 2 replica groups of 1 rank, 1 intra-op thread each",
-        rates=", ".join(label(r) for r in results) or "none",
-        rounds=f"{args.rounds}, of {args.steps} steps each (after {args.warmup} untimed)",
-    )
-    sections = [(table.targets(targets(results)), ""), *tables(results)]
-    intro = [READING, table.markdown(["", ""], environment.items())]
-    return table.page(
-        out / "benchmarks-ft.md", "Benchmarks: fault tolerance on torchft", intro, [], sections
-    )
+
+def _replica_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replica", metavar="CONFIG", help=argparse.SUPPRESS)
+
+
+PAGE = page.Page(
+    file="benchmarks-ft.md",
+    title="Benchmarks: fault tolerance on torchft",
+    module="benchmarks.ft",
+    measure=measure,
+    targets=targets,
+    tables=tables,
+    intro=(READING,),
+    # 10 steps a turn: a turn of 3 (0.4 s of the MLP) was shorter than the swings of these
+    # shared 2 cores, which moved a round's ratio by up to a third.
+    timing=page.Timing(rounds=10, steps=10, warmup=3),
+    rates=RATES,
+    environment=environment,
+    flags=_replica_flag,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = page.parse(PAGE, argv, __doc__.split("\n\n")[0])
     if args.replica:
         replica(json.loads(args.replica))
         return 0
-    if args.child:
-        assert args.json is not None
-        args.json.write_text(json.dumps(child(args, args.child)))
-        return 0
-    from benchmarks import table
-
-    results = measure(args)
-    table.console([t for t, _ in tables(results)] + [table.targets(targets(results))])
-    print("wrote " + ", ".join(map(str, write(results, args.out, args))))
-    return 0
+    return page.run(PAGE, args)
 
 
 if __name__ == "__main__":

@@ -38,12 +38,10 @@ tests and torch.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
 import pathlib
 import re
-import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,6 +55,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import page  # noqa: E402
+from benchmarks.constants import DOCS  # noqa: E402
 from benchmarks.gpu_page import SHIPPED, Outcome, render  # noqa: E402
 
 PAGE = "benchmarks-gpu.md"
@@ -87,37 +87,6 @@ NO_CUDA = "no CUDA device"
 # --- running the parts ---------------------------------------------------------------------------
 
 
-def run_child(
-    command: Sequence[str], limit_s: float, env: dict[str, str] | None = None
-) -> tuple[str, float, str]:
-    """Runs ``command`` from the repository's root; ``(status, seconds, output)``.
-
-    The child gets a process session of its own, so that at ``limit_s`` it is killed
-    with every process it started (the test worlds' ranks, inductor's compile workers).
-    """
-    started = time.monotonic()
-    with tempfile.TemporaryFile("w+") as log:
-        child = subprocess.Popen(
-            list(command),
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            code = child.wait(timeout=limit_s)
-            status = "ok" if code == 0 else "failed"
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-            status = "timed out"
-        log.seek(0)
-        output = log.read()
-    return status, time.monotonic() - started, output
-
-
 def tail(output: str, lines: int = 12) -> str:
     """The last lines of a part's output, for the page."""
     return "\n".join(output.strip().splitlines()[-lines:])
@@ -126,30 +95,28 @@ def tail(output: str, lines: int = 12) -> str:
 def environment_for_children(reports: pathlib.Path) -> dict[str, str]:
     """This process's environment, the repository first on ``PYTHONPATH``, the tests'
     reports folder named, and more inductor compile workers than the tests' two."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env[REPORTS] = str(reports)
+    env = page.children_env({REPORTS: str(reports)})
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "8")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
 def run_part(part: Part, cuda: bool, workdir: pathlib.Path, env: dict[str, str]) -> Outcome:
-    """Runs one part in a child process: pytest for ``tests``, else this file's ``--part``."""
+    """Runs one part in a child process: pytest for ``tests``, else this file's ``--child``."""
     if part.needs_cuda and not cuda:
         return Outcome("skipped", 0.0, part.limit_s, note=NO_CUDA)
     if part.name == "tests":
         junit = workdir / "junit.xml"
         command = [sys.executable, "-m", "pytest", *CUDA_TESTS, "-v", "-p", "no:cacheprovider"]
-        status, seconds, output = run_child([*command, f"--junitxml={junit}"], part.limit_s, env)
-        outcomes = read_outcomes(junit, output)
-        failed = status != "ok"
-        return Outcome(status, seconds, part.limit_s, outcomes, tail(output) if failed else "")
-    result = workdir / f"{part.name}.json"
-    command = [sys.executable, __file__, "--part", part.name, "--result", str(result)]
-    status, seconds, output = run_child(command, part.limit_s, env)
-    found = json.loads(result.read_text()) if result.exists() else None
-    return Outcome(status, seconds, part.limit_s, found, "" if status == "ok" else tail(output))
+        done = page.run_child([*command, f"--junitxml={junit}"], limit_s=part.limit_s, env=env)
+        found: Any = read_outcomes(junit, done.output)
+    else:
+        result = workdir / f"{part.name}.json"
+        command = [sys.executable, __file__, "--child", part.name, "--json", str(result)]
+        done = page.run_child(command, limit_s=part.limit_s, env=env)
+        found = json.loads(result.read_text()) if result.exists() else None
+    note = "" if done.status == "ok" else tail(done.output)
+    return Outcome(done.status, done.seconds, part.limit_s, found, note)
 
 
 _VERBOSE = re.compile(r"^(tests/\S+::\S+(?:\[[^\]]*\])?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)")
@@ -396,6 +363,7 @@ def _kernels_of(work: Any, dtype: Any, device: Any, variant: str = SHIPPED) -> d
 
 # The GPT's batch on a GPU: 4,096 tokens a step, enough that the step is not all launches.
 GPT_BATCH, GPT_BLOCK, LR = 16, 256, 1e-3
+GPT_TURNS = {"rounds": 10, "steps": 5, "warmup": 3}
 
 
 def part_gpt(save: Save) -> None:
@@ -429,6 +397,7 @@ def _gpt_steps(work: Any, batches: list[Any], device: Any) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import fsync
+    from benchmarks import harness
 
     calls: dict[str, Callable[[int], Any]] = {}
 
@@ -503,8 +472,11 @@ def _gpt_steps(work: Any, batches: list[Any], device: Any) -> dict[str, Any]:
     # Combo kernels on the whole step (the pack's fewer launches): do they cost the rest?
     combo = functional(fsync.compile(train_step, options=COMBO))
     calls["fsync.compile, whole step, combo kernels"] = combo
+    # Every round runs each setting 5 steps in a block, the GPU synchronised before and
+    # after, so that a drift of the machine weighs on every setting alike.
+    sync = functools.partial(_synchronize, device)
     return {
-        "ms": interleaved_ms(calls, device),
+        "rounds": harness.in_turns(calls, **GPT_TURNS, before=sync, after=sync)["wall"],
         "graphs_after_step": graphs,
         "graph_breaks": breaks,
         "recompiles_after_step_2": graphs[-1] - graphs[1],
@@ -512,35 +484,6 @@ def _gpt_steps(work: Any, batches: list[Any], device: Any) -> dict[str, Any]:
         "params": work.num_params,
         "tokens": GPT_BATCH * GPT_BLOCK,
     }
-
-
-def interleaved_ms(
-    calls: dict[str, Callable[[int], Any]],
-    device: Any,
-    *,
-    warmup: int = 3,
-    rounds: int = 10,
-    per_round: int = 5,
-) -> dict[str, float]:
-    """Milliseconds per step of each setting, the settings timed in turns.
-
-    Every round runs each setting ``per_round`` steps in a block, the GPU synchronised
-    before and after; a setting's figure is the median over rounds of its block's mean,
-    so that a drift of the machine weighs on every setting alike.
-    """
-    for fn in calls.values():
-        for k in range(warmup):
-            fn(k)
-    blocks: dict[str, list[float]] = {name: [] for name in calls}
-    for r in range(rounds):
-        for name, fn in calls.items():
-            _synchronize(device)
-            started = time.perf_counter()
-            for k in range(per_round):
-                fn(r * per_round + k)
-            _synchronize(device)
-            blocks[name].append((time.perf_counter() - started) / per_round)
-    return {name: 1000.0 * statistics.median(times) for name, times in blocks.items()}
 
 
 PART_FUNCTIONS: dict[str, Callable[[Save], None]] = {
@@ -570,24 +513,19 @@ def _cuda_available(environment: Outcome | None) -> bool:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs", help="the page's folder")
-    parser.add_argument(
-        "--only", default=",".join(p.name for p in PARTS), help="parts to run, comma-separated"
-    )
-    parser.add_argument("--part", choices=sorted(PART_FUNCTIONS), help=argparse.SUPPRESS)
-    parser.add_argument("--result", type=pathlib.Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    args.only = [name for name in args.only.split(",") if name]
-    unknown = set(args.only) - {p.name for p in PARTS}
-    if unknown:
-        parser.error(f"unknown parts {sorted(unknown)}; choose from {[p.name for p in PARTS]}")
-    return args
+    parser.add_argument("--out", type=pathlib.Path, default=DOCS, help="the page's folder")
+    names = [p.name for p in PARTS]
+    only = "parts to run, comma-separated"
+    parser.add_argument("--only", type=page.listed(names), default=names, help=only)
+    parser.add_argument("--child", choices=sorted(PART_FUNCTIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=pathlib.Path, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.part:  # a child: one part, its result as JSON
-        PART_FUNCTIONS[args.part](lambda found: _write(args.result, found))
+    if args.child:  # one part, its result as JSON
+        PART_FUNCTIONS[args.child](lambda found: _write(args.json, found))
         return 0
     started = time.monotonic()
     cuda = None  # as the environment part finds it (it runs first), or as torch here says

@@ -8,8 +8,10 @@ said so in its section, and its targets read "not measured". Nothing here runs a
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+from benchmarks import table
+from benchmarks.table import Target
 
 # The issue's targets.
 MOST_KERNELS = 2  # per bucket, each way
@@ -27,9 +29,6 @@ class Outcome(NamedTuple):
     limit_s: float
     result: Any = None
     note: str = ""
-
-
-Target = tuple[str, str, "bool | None"]
 
 
 class Section(NamedTuple):
@@ -55,11 +54,11 @@ def render(
     targets = [[what, found, _verdict(met)] for s in sections for what, found, met in s.targets]
     lines = [
         *_intro(outcomes.get("environment"), cuda, seconds),
-        *_table(["Part", "Status", "Seconds", "Limit (s)"], parts),
+        table.markdown(["Part", "Status", "Seconds", "Limit (s)"], parts),
         "",
         "## Targets",
         "",
-        *_table(["Target", "Found", ""], targets),
+        table.markdown(["Target", "Found", ""], targets),
         "",
     ]
     for section in sections:
@@ -122,7 +121,7 @@ def _tests(outcome: Outcome | None) -> Section:
     rows = [
         [f"`{t['test']}`", t["outcome"], _number(t["seconds"], ".1f"), t["message"]] for t in found
     ]
-    lines += [*_table(["Test", "Outcome", "Seconds", "Message"], rows), ""]
+    lines += [table.markdown(["Test", "Outcome", "Seconds", "Message"], rows), ""]
     if outcome is not None and outcome.status != "ok":
         lines += _not_run(outcome, "pytest")
     return Section(lines, [(target, words, met)])
@@ -151,7 +150,7 @@ def _parity(tests: Outcome | None, reports: dict[str, Any]) -> Section:
     ]
     if not rows:
         return Section(lines + _no_figures(tests), targets)
-    table = [
+    cells = [
         [
             r["check"],
             r["reference"],
@@ -163,7 +162,7 @@ def _parity(tests: Outcome | None, reports: dict[str, Any]) -> Section:
         for r in rows
     ]
     header = ["Check", "Reference", "Asked", "Bit for bit", "Max abs difference", ""]
-    return Section([*lines, *_table(header, table), ""], targets)
+    return Section([*lines, table.markdown(header, cells), ""], targets)
 
 
 def _streams(tests: Outcome | None, reports: dict[str, Any]) -> Section:
@@ -188,7 +187,7 @@ def _streams(tests: Outcome | None, reports: dict[str, Any]) -> Section:
     ]
     if not runs:
         return Section(lines + _no_figures(tests), [(target, "-", None)])
-    table = [
+    cells = [
         [
             r["setting"],
             r["patch"],
@@ -203,7 +202,7 @@ def _streams(tests: Outcome | None, reports: dict[str, Any]) -> Section:
     ]
     header = ["Streams", "Run", "Model", "Steps", "Busy", "Equal to DDP", "Max abs difference"]
     header.append("Local gradients are autograd's")
-    return Section([*lines, *_table(header, table), ""], [(target, found, met)])
+    return Section([*lines, table.markdown(header, cells), ""], [(target, found, met)])
 
 
 def _kernels(outcome: Outcome | None) -> Section:
@@ -250,12 +249,12 @@ def _kernels(outcome: Outcome | None) -> Section:
             targets[1] = (targets[1][0], f"no tree has only buckets >= {FROM_MIB} MiB", None)
     if not rows:
         return Section(lines + _not_run(outcome), targets)
-    table = [_kernel_row(r) for r in rows]
+    cells = [_kernel_row(r) for r in rows]
     header = ["Tree", "Dtype", "Inductor options", "Buckets"]
     header += ["Pack kernels / bucket", "Unpack kernels / bucket"]
     header += ["Pack GB/s (of copy)", "Unpack GB/s (of copy)", "Copy GB/s", "Compile s"]
     header += ["Same bits as eager"]
-    lines += [*_table(header, table), ""]
+    lines += [table.markdown(header, cells), ""]
     if outcome is not None and outcome.status != "ok":
         lines += _not_run(outcome, "The part")
     return Section(lines, targets)
@@ -298,18 +297,26 @@ def _gpt(outcome: Outcome | None) -> Section:
         "DDP its all-reduces), SGD. The fsync step is `fsync.grad_and_value` then "
         "`fsync.optim.sgd`'s update, all under `fsync.compile`; DDP compiled is `torch.compile` "
         "of the DDP module, its optimizer eager. Milliseconds per step, the settings timed in "
-        "turns (medians over 10 rounds of 5 steps each).",
+        "turns: the median over 10 rounds of 5 steps each; a ratio is taken round by round and "
+        "given as `median [lowest, highest]` over the rounds; the target is judged on the "
+        "median.",
         "",
     ]
     if figures is None:
         return Section(lines + _not_run(outcome), [(clean, "-", None), (fast, "-", None)])
     breaks, recompiles = figures["graph_breaks"], figures["recompiles_after_step_2"]
-    ms = figures["ms"]
-    base = ms["DDP compiled"]
-    ratio = ms["fsync.compile, whole step"] / base
-    table = [[name, f"{value:.2f}", f"{value / base:.2f}x"] for name, value in ms.items()]
+    row: Any = {"rounds": figures["rounds"]}
+    ratio = table.ratio(row, "fsync.compile, whole step", "DDP compiled")
+    cells = [
+        [
+            name,
+            f"{table.median(row, name):.2f}",
+            table.spread(table.ratio(row, name, "DDP compiled")),
+        ]
+        for name in row["rounds"]
+    ]
     lines += [
-        *_table(["Setting", "ms per step", "vs DDP compiled"], table),
+        table.markdown(["Setting", "ms per step", "vs DDP compiled"], cells),
         "",
         f"{figures['params']:,} parameters, {figures['tokens']:,} tokens a step. The fsync step "
         f"compiled in {figures['compile_s']:.0f} s; graph breaks: {breaks}; graphs compiled "
@@ -318,7 +325,7 @@ def _gpt(outcome: Outcome | None) -> Section:
     ]
     targets = [
         (clean, f"{breaks} graph breaks, {recompiles} recompiles", breaks == 0 and not recompiles),
-        (fast, f"{ratio:.2f}x", ratio <= 1.0),
+        (fast, table.spread(ratio), ratio.median <= 1.0),
     ]
     return Section(lines, targets)
 
@@ -373,12 +380,3 @@ def _number(value: float | None, spec: str) -> str:
 
 def _verdict(met: bool | None) -> str:
     return "not measured" if met is None else ("met" if met else "**not met**")
-
-
-def _cell(value: Any) -> str:
-    return " ".join(str(value).split()).replace("|", "\\|")
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]

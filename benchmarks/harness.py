@@ -9,8 +9,8 @@ make a drift of the machine (another tenant, the clock) weigh on every setting a
 
 A setting's figure in a round is its turn's wall time per step on rank 0, after a barrier
 that starts the world's ranks together. A ratio between two settings is taken round by
-round and reported as its spread over the rounds (:class:`Spread`: lowest, median,
-highest), never as one figure.
+round and reported as its spread over the rounds (:class:`benchmarks.table.Spread`:
+lowest, median, highest), never as one figure.
 
 The processes are forked from a server that has imported torch, fsync and the settings'
 modules once (``multiprocessing``'s forkserver), so a world costs a fork and a gloo
@@ -34,11 +34,7 @@ import json
 import multiprocessing
 import os
 import pathlib
-import shlex
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypedDict
@@ -55,23 +51,10 @@ _MMAP_THRESHOLD = -3  # glibc's M_MMAP_THRESHOLD for mallopt
 # Worlds built (and compiled) at once, before any turn: a world's two ranks leave a core
 # idle while one waits for the other's compile of the same kernel (inductor locks it).
 _BUILDING = 2
-# Imported once by the server the processes fork from. Dynamo's and inductor's own modules
-# halve what a process's first compile costs (3.6 -> 1.7 s for a one-line function here);
-# importing them starts no thread that a fork could catch holding a lock. ``preload`` works
-# out what inductor would ask again in every child (0.3 s left of that one-line compile).
-# The test suite's gloo worlds (tests/_world.py) fork their ranks from a server preloaded
-# the same way.
-PRELOAD = (
-    "torch",
-    "torch._dynamo",
-    "torch._functorch.aot_autograd",
-    "torch._inductor.codecache",
-    "torch._inductor.compile_fx",
-    "torch.distributed",
-    "torch.nn.parallel",
-    "fsync",
-    "benchmarks.preload",
-)
+# Imported once by the server the processes fork from: torch, its compiler and fsync, with
+# what inductor asks each process once worked out (the test suite's gloo ranks fork from a
+# server preloaded the same way).
+PRELOAD = ("tests._preload",)
 
 
 class UnavailableError(Exception):
@@ -126,32 +109,6 @@ class Row(TypedDict):
     info: dict[str, list[dict[str, Any]]]
     unavailable: dict[str, str]
     turns: list[dict[str, Any]]
-
-
-class Spread(NamedTuple):
-    """A figure over the rounds: the lowest, the median and the highest."""
-
-    low: float
-    median: float
-    high: float
-
-
-def per_round(row: Row, fn: Callable[[Mapping[str, float]], float]) -> Spread:
-    """The spread of ``fn`` over the rounds, ``fn`` reading each round's ms by setting."""
-    rounds = row["rounds"]
-    n = min(len(v) for v in rounds.values())
-    values = sorted(fn({name: ms[r] for name, ms in rounds.items()}) for r in range(n))
-    return Spread(values[0], statistics.median(values), values[-1])
-
-
-def ratio(row: Row, name: str, base: str) -> Spread:
-    """``name``'s step time over ``base``'s, round by round."""
-    return per_round(row, lambda ms: ms[name] / ms[base])
-
-
-def ms(row: Row, name: str) -> float:
-    """``name``'s median ms per step over the rounds."""
-    return statistics.median(row["rounds"][name])
 
 
 def turns(
@@ -231,6 +188,38 @@ def turns(
                 process.kill()
 
 
+def in_turns(
+    calls: Mapping[str, Callable[[int], object]],
+    *,
+    rounds: int,
+    steps: int,
+    warmup: int,
+    before: Callable[[], object] = lambda: None,
+    after: Callable[[], object] = lambda: None,
+) -> dict[str, dict[str, list[float]]]:
+    """Times ``calls`` in turns in this process, where one process must hold them all (a
+    GPU's one rank, a host cost that processes of their own would blur): each call
+    ``warmup`` times, then round after round ``steps`` calls of each in a turn, ``before()``
+    ahead of its clock (a barrier) and ``after()`` inside it (the GPU's queue). A call gets
+    its step's index. Returns per call its ms per call in each round: ``"wall"``, and
+    ``"cpu"`` (this process's, every thread's)."""
+    for fn in calls.values():
+        for k in range(warmup):
+            fn(k)
+    wall: dict[str, list[float]] = {name: [] for name in calls}
+    cpu: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(rounds):
+        for name, fn in calls.items():
+            before()
+            started, clock = time.process_time(), time.perf_counter()
+            for k in range(steps):
+                fn(r * steps + k)
+            after()
+            cpu[name].append(1000 * (time.process_time() - started) / steps)
+            wall[name].append(1000 * (time.perf_counter() - clock) / steps)
+    return {"wall": wall, "cpu": cpu}
+
+
 # --- the coordinator ------------------------------------------------------------------------
 
 
@@ -304,29 +293,18 @@ class _Options(NamedTuple):
     backend: str
 
 
-def preloaded_context(modules: Sequence[str]) -> Any:
-    """Where processes start: a forkserver that imports ``modules`` once, as it starts; on a
-    machine with a GPU, fresh interpreters (spawn) instead.
-
-    A process forked from one that has touched the CUDA driver cannot use CUDA, and the
-    preloaded imports do (the CUDA tests' ranks all failed so on an H200, 2026-11-27; a
-    server that imported torch alone was fine). The test worlds start here too.
-    """
-    if torch.cuda.is_available():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(modules))  # once: before the server starts
-    return context
-
-
 def _context(settings: Sequence[Setting]) -> Any:
-    """The processes' start (``preloaded_context``), with torch, fsync, the benchmarks and
-    the builders' modules preloaded.
+    """Where the processes start: a forkserver that imports torch, fsync, the benchmarks and
+    the builders' modules once, as it starts; on a machine with a GPU, fresh interpreters
+    (spawn) instead, since a process forked from one that has touched the CUDA driver cannot
+    use CUDA, and the preloaded imports do.
 
     A child runs the main module again as ``__mp_main__`` (spawn's rule) unless its server
     imported it: a script's (``python benchmarks/link.py``) is preloaded; a module run with
     ``-m`` is left out, since running it again finds itself imported and warns.
     """
+    if torch.cuda.is_available():
+        return multiprocessing.get_context("spawn")
     main = getattr(sys.modules["__main__"].__spec__, "name", None)
     modules = {*PRELOAD, "__main__" if main is None else main}
     # The preload is read once, as the server starts: every page module the caller has, so
@@ -334,7 +312,9 @@ def _context(settings: Sequence[Setting]) -> Any:
     modules |= {name for name in sys.modules if name.split(".")[0] == __package__}
     for setting in settings:
         modules.add(getattr(setting.build, "func", setting.build).__module__)
-    return preloaded_context(sorted(modules - {main}))
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(sorted(modules - {main}))  # once: before the server starts
+    return context
 
 
 def _rank(job: _Job, options: _Options) -> None:
@@ -433,35 +413,3 @@ def reset_peak() -> bool:
     except OSError:
         return False
     return True
-
-
-def inductor_cache(tmp: str, smoke: bool) -> dict[str, str]:
-    """The environment a page's processes compile in: an empty inductor cache under ``tmp``
-    for a real run (compile times of a first run, not of whatever an earlier run left in
-    ``/tmp/torchinductor_$USER``; the page's settings and ranks share it, so that a graph
-    compiles once and its recompiles are cache hits); for a smoke run the caller's, so that
-    the pages of one test session reuse each other's graphs (their workloads are the same)."""
-    return {} if smoke else {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}
-
-
-def at_rate(
-    command: list[str], rate: str, tool: pathlib.Path, env: Mapping[str, str]
-) -> dict[str, Any] | None:
-    """Runs a page's ``command`` for one shaped ``rate`` under ``tool --rate RATE --``
-    (``slownet`` takes the command's words; ``twonodes`` runs it on both nodes, as one line
-    for bash) and returns the JSON it writes to the path given after ``--json`` (added
-    here). ``None`` where the tool cannot make its network (exit 3: not root)."""
-    with tempfile.TemporaryDirectory(prefix="fsync-rate-") as tmp:
-        path = pathlib.Path(tmp) / "results.json"
-        command = [*command, "--json", str(path)]
-        line = tool.name == "twonodes"
-        command = [str(tool), "--rate", rate, "--", *([shlex.join(command)] if line else command)]
-        root = str(pathlib.Path(__file__).resolve().parents[1])
-        path_env = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-        done = subprocess.run(command, cwd=root, env={**os.environ, "PYTHONPATH": path_env, **env})
-        if done.returncode == 3:
-            print(f"{tool.name} could not make its network for {rate} (it needs root)", flush=True)
-            return None
-        done.check_returncode()
-        results: dict[str, Any] = json.loads(path.read_text())
-        return results

@@ -18,9 +18,9 @@ three sizes (least squares), and printed beside the wall-clock ratio of fsync to
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,14 +29,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
-from benchmarks import harness, table
-from benchmarks.harness import Built, Spread
+from benchmarks import harness, page, table
+from benchmarks.harness import Built
 from benchmarks.models import gpt
 from benchmarks.steps import setting
+from benchmarks.table import Spread
 
 BLOCKS = (3, 12, 48)  # 6 + 12 x blocks leaves: 42, 150, 582
 HOWS = ("module", "DDP", "autograd", "fsync")
 CALLS = {"DDP": "module", "fsync": "autograd"}  # each call and the floor it adds to
+TIMING = page.Timing(rounds=15, steps=20, warmup=5)
 
 
 def _call(blocks: int, how: str) -> Callable[[], object]:
@@ -64,24 +66,22 @@ def _call(blocks: int, how: str) -> Callable[[], object]:
     return autograd
 
 
-def measured(rounds: int, steps: int) -> Built:
+def measured(rounds: int, steps: int, warmup: int) -> Built:
     """Every call of every size, in turns in this world; ``info`` holds, per call, each
     round's CPU and wall ms per call."""
     calls = {f"{how} {b}": _call(b, how) for b in BLOCKS for how in HOWS}
-    for call in calls.values():  # warm-up
-        for _ in range(5):
-            call()
-    cpu: dict[str, list[float]] = {name: [] for name in calls}
-    wall: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            dist.barrier()
-            started, clock = time.process_time(), time.perf_counter()
-            for _ in range(steps):
-                call()
-            cpu[name].append(1000 * (time.process_time() - started) / steps)
-            wall[name].append(1000 * (time.perf_counter() - clock) / steps)
-    return Built(lambda: None, lambda: {"cpu": cpu, "wall": wall})
+    found = harness.in_turns(
+        {name: functools.partial(_ignoring_step, call) for name, call in calls.items()},
+        rounds=rounds,
+        steps=steps,
+        warmup=warmup,
+        before=dist.barrier,
+    )
+    return Built(lambda: None, lambda: found)
+
+
+def _ignoring_step(call: Callable[[], object], step: int) -> object:
+    return call()
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -96,7 +96,7 @@ def _rows(world: int, info: dict[str, Any]) -> list[list[str]]:
     cpu, wall, leaves = info["cpu"], info["wall"], [6 + 12 * b for b in BLOCKS]
 
     def added(name: str, floor: str) -> Spread:
-        return _spread([c - f for c, f in zip(cpu[name], cpu[floor], strict=True)])
+        return Spread.of(c - f for c, f in zip(cpu[name], cpu[floor], strict=True))
 
     rows = []
     for name, floor in CALLS.items():
@@ -107,26 +107,22 @@ def _rows(world: int, info: dict[str, Any]) -> list[list[str]]:
         cells += [f"{fixed:.2f}", f"{per_leaf * 1000:.1f}"]
         if name == "fsync":
             ratios = [f / d for f, d in zip(wall["fsync 12"], wall["DDP 12"], strict=True)]
-            cells.append(table.spread(_spread(ratios)))
+            cells.append(table.spread(Spread.of(ratios)))
         else:
             cells.append("")
         rows.append(cells)
     return rows
 
 
-def _spread(values: list[float]) -> Spread:
-    return Spread(min(values), statistics.median(values), max(values))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--worlds", default="1,2")
-    args = parser.parse_args(argv)
+    page.turn_flags(parser, TIMING)
+    parser.add_argument("--worlds", default="1,2", help="ranks of each world, comma-separated")
+    args = page.settle(parser.parse_args(argv), TIMING)
     rows = []
     for world in map(int, args.worlds.split(",")):
-        only = setting("all calls", measured, rounds=args.rounds, steps=args.steps)
+        timing = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
+        only = setting("all calls", measured, **timing)
         row = harness.turns([only], rounds=1, steps=1, warmup=0, node=harness.Node(local=world))
         assert row is not None
         rows += _rows(world, row["info"]["all calls"][0])

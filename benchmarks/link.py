@@ -19,12 +19,10 @@ five steps, once per process; all processes share one inductor cache.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
-import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 if not __package__:  # run as a script: the repository first, not benchmarks/
@@ -34,11 +32,13 @@ import torch
 import torch.distributed as dist
 
 import fsync
-from benchmarks import harness, plot, steps, table, zero
-from benchmarks.constants import CAP_MB, DOCS, LR, TOOLS, label
-from benchmarks.harness import Row, Setting, Spread
+from benchmarks import harness, page, plot, steps, table, zero
+from benchmarks.constants import CAP_MB, LR
+from benchmarks.harness import Row, Setting
 from benchmarks.models import Load
+from benchmarks.page import Page, label, row_key
 from benchmarks.steps import setting
+from benchmarks.table import Spread
 
 RATES = ("unshaped", "16gbit", "8gbit", "4gbit")
 WORKLOADS, BATCHES, WORKLOAD_RATES = ("deep MLP", "GPT"), (64, 256), ("unshaped", "8gbit")
@@ -60,26 +60,6 @@ CEILING = "flat all-reduce issued before the compiled compute (ceiling)"
 SYNC_ALONE = (steps.FLAT, "sync_grads eager", "sync_grads compiled")
 MEMORY_SETTINGS = ("compute, module eager", DDP_EAGER, GAV, FUNC)
 MEMORY_BATCH = 256
-JSON = "benchmarks-link.json"  # the results a page was written from, beside it
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--child", metavar="RATE", help="measure at one rate (run inside slownet)")
-    parser.add_argument("--rates", default=",".join(RATES), help=f"comma-separated, of {RATES}")
-    parser.add_argument("--slownet", type=pathlib.Path, default=TOOLS / "slownet")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, unshaped only")
-    parser.add_argument("--rounds", type=int, default=10, help="turns per setting")
-    parser.add_argument("--steps", type=int, default=2, help="steps per turn")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", type=pathlib.Path, default=DOCS)
-    parser.add_argument("--json", type=pathlib.Path, help="child: where to write its results")
-    parser.add_argument(
-        "--from-json",
-        type=pathlib.Path,
-        help=f"write the page from a run's {JSON}, measuring nothing",
-    )
-    return parser.parse_args(argv)
 
 
 class Rows(NamedTuple):
@@ -114,11 +94,6 @@ def rows(rate: str, smoke: bool) -> Rows:
     memory = [Load(name, MEMORY_BATCH) for name in WORKLOADS] if rate == "unshaped" else []
     sync = [Load("MLP", 256)] if rate == "8gbit" else []
     return Rows(work, sync, zero.loads(rate, smoke), memory)
-
-
-def row_key(load: Load, cap: float = CAP_MB) -> str:
-    """A row's name: workload, batch, and the buckets where not 4 MiB."""
-    return str(load) + ("" if cap == CAP_MB else f", {cap:g} MiB buckets")
 
 
 # --- what each row times, built in the settings' processes ---------------------------------
@@ -176,49 +151,28 @@ def memory_step(load: Load, name: str) -> Callable[[], object]:
 # --- one rate, in its namespace --------------------------------------------------------------
 
 
-def child(args: argparse.Namespace, rate: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+def measure(args: argparse.Namespace, rate: str, env: Mapping[str, str]) -> dict[str, Any]:
     """Every row of ``rate`` (the loopback already shaped to it); ``env`` set in every
     setting's processes."""
-    timing = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup, "env": env}
-    memory = {"rounds": 1, "steps": args.steps, "warmup": 1, "follow_rss": True, "env": env}
-
-    def turns(settings: list[Setting], how: dict[str, Any]) -> Row | None:
-        return harness.turns(settings, **how)
+    timing: dict[str, Any] = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
+    timing["env"] = env
+    memory = {**timing, "rounds": 1, "warmup": 1, "follow_rss": True}
 
     out: dict[str, Any] = {}
     todo = rows(rate, args.smoke)
     for load, cap in todo.steps:
         started = time.perf_counter()
-        out[row_key(load, cap)] = turns(row_settings(load, cap), timing)
-        print(f"link {rate}: {row_key(load, cap)} ({time.perf_counter() - started:.0f} s)")
+        out[row_key(load, cap, CAP_MB)] = harness.turns(row_settings(load, cap), **timing)
+        print(f"link {rate}: {row_key(load, cap, CAP_MB)} ({time.perf_counter() - started:.0f} s)")
     for load in todo.sync:
         sync = [setting(n, steps.sync_alone, load=load, how=n, cap=CAP_MB) for n in SYNC_ALONE]
-        out["sync alone"] = turns(sync, timing)
-    out["zero"] = {str(load): turns(zero.settings(load), timing) for load in todo.zero}
+        out["sync alone"] = harness.turns(sync, **timing)
+    out["zero"] = {str(load): harness.turns(zero.settings(load), **timing) for load in todo.zero}
     # Memory: one turn of each eager step, in processes whose RSS follows the tensors alive.
     eager = [lambda load: [setting(n, memory_step, load=load, name=n) for n in MEMORY_SETTINGS]]
     for key, make in zip(("memory", "zero memory"), [*eager, zero.memory_settings], strict=True):
-        out[key] = {load.name: turns(make(load), memory) for load in todo.memory}
+        out[key] = {load.name: harness.turns(make(load), **memory) for load in todo.memory}
     return out
-
-
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Every rate: unshaped in this process, each shaped one in a child under slownet."""
-    results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="fsync-link-") as tmp:
-        env = harness.inductor_cache(tmp, args.smoke)
-        for rate in ["unshaped"] if args.smoke else [r for r in args.rates.split(",") if r]:
-            if rate == "unshaped":  # this machine's loopback as it is: nothing to shape
-                results[rate] = child(args, rate, env)
-                continue
-            command = [sys.executable, "-m", "benchmarks.link", "--child", rate]
-            command += [f"--rounds={args.rounds}", f"--steps={args.steps}"]
-            command += [f"--warmup={args.warmup}", *(["--smoke"] if args.smoke else [])]
-            found = harness.at_rate(command, rate, args.slownet, env)
-            if found is None:  # not root: the page shows what ran
-                break
-            results[rate] = found
-    return results
 
 
 # --- the page --------------------------------------------------------------------------------
@@ -226,7 +180,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def hidden(row: Row, name: str) -> Spread:
     """The share of the flat all-reduce ``name`` hides behind its own compute, per round."""
-    return harness.per_round(row, lambda m: (m[SETTINGS[name]] + m[FLAT] - m[name]) / m[FLAT])
+    return table.hidden(row, name, SETTINGS[name], FLAT)
 
 
 def targets(results: dict[str, Any]) -> list[table.Target]:
@@ -239,7 +193,7 @@ def targets(results: dict[str, Any]) -> list[table.Target]:
 
     def ratio(rate: str, key: str, name: str) -> Spread | None:
         row = at(rate, key)
-        return harness.ratio(row, name, DDP_EAGER) if row else None
+        return table.ratio(row, name, DDP_EAGER) if row else None
 
     mlp, compiled, out = "MLP, batch 256", "fsync compiled", []
     out.append(
@@ -272,7 +226,7 @@ def targets(results: dict[str, Any]) -> list[table.Target]:
         text = f"{key}: grad_and_value eager <= 1.05x DDP eager, unshaped"
         out.append(table.check(text, ratio("unshaped", key, GAV), 1.05))
     if (sync := at("8gbit", "sync alone")) is not None:
-        s = harness.ratio(sync, "sync_grads compiled", steps.FLAT)
+        s = table.ratio(sync, "sync_grads compiled", steps.FLAT)
         out.append(
             table.check("sync alone, compiled <= 1.05x the flat all-reduce, 8 Gbit/s", s, 1.05)
         )
@@ -296,7 +250,7 @@ def _columns(results: dict[str, Any], columns: list[tuple[str, str]]) -> list[li
     """Every figure of the (rate, row) ``columns`` in ms, one column each, then the shares
     hidden."""
     rows = [
-        [name, *[table.ms(harness.ms(results[r][k], name)) for r, k in columns]]
+        [name, *[table.ms(table.median(results[r][k], name)) for r, k in columns]]
         for name in [*SETTINGS, *FLOORS, FLAT, CEILING]
     ]
     for name in SETTINGS:
@@ -316,9 +270,7 @@ def tables(results: dict[str, Any]) -> list[tuple[table.Table, str]]:
     )
 
     def cell(row: Row, name: str) -> str:
-        return (
-            f"{table.spread(harness.ratio(row, name, DDP_EAGER))}, {hidden(row, name).median:.0%}"
-        )
+        return f"{table.spread(table.ratio(row, name, DDP_EAGER))}, {hidden(row, name).median:.0%}"
 
     summary = [
         [f"{k}, {label(rate)}", *[cell(results[rate][k], s) for s in SETTINGS]]
@@ -366,12 +318,12 @@ def figures(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
     rows, labels = [results[r][mlp] for r in rates], [label(r) for r in rates]
     figure, (ax,) = plot.figure(size=(7.5, 4.8))
     for name in SETTINGS:
-        ax.plot(labels, [harness.ms(row, name) for row in rows], "o-", label=name)
-    compute = [harness.ms(row, "compute, functional compiled") for row in rows]
+        ax.plot(labels, [table.median(row, name) for row in rows], "o-", label=name)
+    compute = [table.median(row, "compute, functional compiled") for row in rows]
     ax.plot(labels, compute, "k--", label="compute alone (compiled)")
-    wire = [c + harness.ms(row, FLAT) for c, row in zip(compute, rows, strict=True)]
+    wire = [c + table.median(row, FLAT) for c, row in zip(compute, rows, strict=True)]
     ax.plot(labels, wire, "k:", label="compiled compute + flat all-reduce, one after the other")
-    ax.plot(labels, [harness.ms(row, CEILING) for row in rows], "--", color="grey", label=CEILING)
+    ax.plot(labels, [table.median(row, CEILING) for row in rows], "--", color="grey", label=CEILING)
     ax.set_xlabel("link rate (loopback shaped by slownet)")
     ax.set_ylabel("ms per training step, median over rounds (lower is better)")
     ax.set_title("MLP 8.4M parameters, batch 256, 4 MiB buckets, 2 gloo ranks")
@@ -429,7 +381,7 @@ def figures(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
 
 def _against(at: dict[str, Row]) -> Callable[[str, str], Spread]:
     """A setting's step relative to DDP eager's, in the row of ``at`` a figure's group names."""
-    return lambda row, name: harness.ratio(at[row], name, DDP_EAGER)
+    return lambda row, name: table.ratio(at[row], name, DDP_EAGER)
 
 
 def _percent(s: Spread) -> Spread:
@@ -487,37 +439,24 @@ ZERO_NOTE = (
 )
 
 
-def write(
-    results: dict[str, Any], out: pathlib.Path, environment: dict[str, str] | None = None
-) -> list[pathlib.Path]:
-    """``benchmarks-link.md`` and its figures in ``out`` from ``results`` (rate by rate),
-    and what they were made from (``benchmarks-link.json``, which ``--from-json`` reads)."""
-    saved = {"environment": environment, "rates": results}
-    (out / JSON).write_text(json.dumps(saved, indent=1) + "\n")
-    sections = [(table.targets(targets(results)), ""), *tables(results)]
-    pngs = figures(results, out)
-    intro = [READING]
-    if environment:
-        intro.append(table.markdown(["", ""], environment.items()))
-    return table.page(
-        out / "benchmarks-link.md", "Benchmarks on a slow link", intro, pngs, sections
-    )
+PAGE = Page(
+    file="benchmarks-link.md",
+    title="Benchmarks on a slow link",
+    module="benchmarks.link",
+    measure=measure,
+    targets=targets,
+    tables=tables,
+    intro=(READING,),
+    figures=figures,
+    timing=page.Timing(rounds=10, steps=2, warmup=3),
+    rates=RATES,
+    environment=lambda args, results: {"rounds": str(args.rounds), "rates": ",".join(args.rates)},
+    saved="benchmarks-link.json",  # what the page was written from, beside it
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.child:
-        assert args.json is not None
-        args.json.write_text(json.dumps(child(args, args.child)))
-        return 0
-    if args.from_json:
-        saved = json.loads(args.from_json.read_text())
-        results, environment = saved["rates"], saved["environment"]
-    else:
-        results = measure(args)
-        environment = table.environment(rounds=str(args.rounds), rates=args.rates)
-    print("wrote " + ", ".join(map(str, write(results, args.out, environment))))
-    return 0
+    return page.main(PAGE, argv, __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

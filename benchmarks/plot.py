@@ -6,7 +6,7 @@ import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from benchmarks.harness import Spread
+from benchmarks.table import Spread
 
 
 def figure(rows: int = 1, size: tuple[float, float] = (8, 4.5)) -> tuple[Any, Any]:

@@ -18,9 +18,8 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 if not __package__:  # run as a script: the repository first, not benchmarks/
@@ -31,11 +30,11 @@ import torch.distributed as dist
 from torch._inductor.utils import run_and_get_code
 
 import fsync
-from benchmarks import ft, harness, link, plot, steps, table, twonodes, zero
-from benchmarks.constants import DOCS
+from benchmarks import ft, harness, link, page, plot, steps, table, twonodes, zero
 from benchmarks.harness import Built, Row, Setting
 from benchmarks.models import HOST_BOUND, Load
 from benchmarks.steps import setting
+from tests._inductor_code import kernels_launched
 
 CASES = ("step", "sync", "leaves", "hooks", "host", "anatomy", "link", "twonodes", "ft")
 CUDA_CASES = ("anatomy",)  # what runs on a GPU: the rest compares with DDP on CPU
@@ -68,10 +67,10 @@ READING = (
 )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, few rounds (CI)")
-    parser.add_argument("--only", default=",".join(CASES), help=f"comma-separated, of {CASES}")
+def flags(parser: argparse.ArgumentParser) -> None:
+    """This page's own flags: which sections (and other pages), where, over how many leaves."""
+    only = f"comma-separated, of {CASES}"
+    parser.add_argument("--only", type=page.listed(CASES), default=list(CASES), help=only)
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -79,30 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cpu: gloo ranks on this machine; cuda: NCCL, one rank per GPU, section 6 only",
     )
     parser.add_argument("--world-size", type=int, default=None, help="2 on CPU, 1 on CUDA")
-    parser.add_argument("--rounds", type=int, default=None, help="turns per setting (10)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per turn (2)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per world (5)")
     parser.add_argument(
         "--leaves",
         default="1,100,1000,10000",
         help="leaf counts to scale over (10,000 leaves compile in 2 to 3 minutes on 2 cores)",
     )
-    parser.add_argument("--out", type=pathlib.Path, default=DOCS, help="report folder")
-    parser.add_argument("--no-report", action="store_true", help="print only")
-    args = parser.parse_args(argv)
-    args.only = [c for c in args.only.split(",") if c]
-    unknown = set(args.only) - set(CASES)
-    if unknown:
-        parser.error(f"unknown cases {sorted(unknown)}; choose from {CASES}")
-    if args.device == "cuda":
-        args.only = [c for c in args.only if c in CUDA_CASES]
-        if not torch.cuda.is_available():
-            parser.error("--device cuda needs a CUDA device; none is visible")
-    args.world_size = args.world_size or (2 if args.device == "cpu" else 1)
-    args.rounds = args.rounds or (2 if args.smoke else 10)
-    args.steps = args.steps or (1 if args.smoke else 2)
-    args.warmup = args.warmup or (1 if args.smoke else 5)
-    return args
 
 
 def loads(smoke: bool) -> list[Load]:
@@ -113,11 +93,6 @@ def loads(smoke: bool) -> list[Load]:
     if smoke:
         return [Load("MLP", 256, smoke=True), Load("GPT", 256, smoke=True)]
     return [Load("MLP", 64), Load("deep MLP", 64), Load("GPT", 256)]
-
-
-def step_loads(work: list[Load], smoke: bool) -> list[Load]:
-    """The workloads of section 1: all of them; a smoke run: the first alone."""
-    return work[:1] if smoke else work
 
 
 # --- 1. the step ----------------------------------------------------------------------------
@@ -265,7 +240,7 @@ def anatomy(load: Load, what: str, device: str) -> Built:
     info = {
         "device": str(where),
         "buckets": len(plan.buckets),
-        "kernels": steps.kernels_launched(code[-1]),
+        "kernels": kernels_launched(code[-1]),
         "compile s": seconds,
         "recompiles": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs - 1,
         "bytes": float(sum(plan.nbytes)),
@@ -273,8 +248,9 @@ def anatomy(load: Load, what: str, device: str) -> Built:
     return Built(timed(lambda: sync(grads)), lambda: info)
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Every section asked for, each a round of turns (:func:`benchmarks.harness.turns`)."""
+def measure(args: argparse.Namespace, rate: str, env: Mapping[str, str]) -> dict[str, Any]:
+    """Every section asked for, each a round of turns (:func:`benchmarks.harness.turns`), on
+    this machine's loopback; ``env`` set in every setting's processes."""
     node = harness.Node(local=args.world_size)
     backend = "nccl" if args.device == "cuda" else "gloo"
     work, results = loads(args.smoke), dict[str, Any]()
@@ -296,37 +272,41 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             setting(n, anatomy, load=work[-1], what=n, device=args.device) for n in anatomy_names
         ],
     }
-    with tempfile.TemporaryDirectory(prefix="fsync-bench-") as tmp:
-        timing = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
-        options = {"node": node, "backend": backend, "env": harness.inductor_cache(tmp, args.smoke)}
+    timing = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
+    options = {"node": node, "backend": backend, "env": env}
 
-        def turns(settings: list[Setting]) -> Row | None:
-            return harness.turns(settings, **timing, **options)  # type: ignore[arg-type]
+    def turns(settings: list[Setting]) -> Row | None:
+        return harness.turns(settings, **timing, **options)  # type: ignore[arg-type]
 
-        if "step" in args.only:
-            step_rows = step_loads(work, args.smoke)
-            results["step"] = {load.name: turns(step_settings(load)) for load in step_rows}
-        if "host" in args.only:
-            host = host_settings(Load(HOST_BOUND, 1, smoke=args.smoke))
-            results["host"] = {
-                world: harness.turns(
-                    host,
-                    **(timing | {"steps": 1 if args.smoke else HOST_STEPS}),
-                    **(options | {"node": harness.Node(local=world)}),  # type: ignore[arg-type]
-                )
-                for world in HOST_WORLDS
-            }
-        results |= {name: turns(make()) for name, make in sections.items() if name in args.only}
+    if "step" in args.only:
+        step_rows = work[:1] if args.smoke else work  # a smoke run: the MLP alone
+        results["step"] = {load.name: turns(step_settings(load)) for load in step_rows}
+    if "host" in args.only:
+        host = host_settings(Load(HOST_BOUND, 1, smoke=args.smoke))
+        results["host"] = {
+            world: harness.turns(
+                host,
+                **(timing | {"steps": 1 if args.smoke else HOST_STEPS}),
+                **(options | {"node": harness.Node(local=world)}),  # type: ignore[arg-type]
+            )
+            for world in HOST_WORLDS
+        }
+    results |= {name: turns(make()) for name, make in sections.items() if name in args.only}
     results["leaves_bytes"] = total * 4
     results["gpu"] = _gpu_note(args)
     ranks = f"{args.world_size} rank{'s' if args.world_size > 1 else ''}"
-    results["environment"] = table.environment(
-        backend=f"{backend} on {args.device.upper()}, {ranks}, 1 intra-op thread each",
-        turns=f"{args.rounds} rounds of {args.steps} steps per setting, after {args.warmup} "
-        "steps of warm-up",
-        sizes="smoke (tiny)" if args.smoke else "full",
-    )
+    results["backend"] = f"{backend} on {args.device.upper()}, {ranks}, 1 intra-op thread each"
     return results
+
+
+def environment(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, str]:
+    """What the page adds to the table of what it was measured on."""
+    return {
+        "backend": results["backend"],
+        "turns": f"{args.rounds} rounds of {args.steps} steps per setting, after {args.warmup} "
+        "steps of warm-up",
+        "sizes": "smoke (tiny)" if args.smoke else "full",
+    }
 
 
 def _gpu_note(args: argparse.Namespace) -> str:
@@ -349,34 +329,34 @@ def targets(results: dict[str, Any]) -> list[table.Target]:
     """(target, measured, met) for every target this run can speak to; met: the median."""
     out, check = [], table.check
     for model, row in results.get("step", {}).items():
-        over = harness.ratio(row, OVERLAP, DDP_EAGER), harness.ratio(row, OVERLAP, "DDP compiled")
+        over = table.ratio(row, OVERLAP, DDP_EAGER), table.ratio(row, OVERLAP, "DDP compiled")
         out.append(check(f"{model}: fsync compiled <= 0.85 x DDP eager", over[0], 0.85))
         out.append(check(f"{model}: fsync compiled <= DDP compiled", over[1], 1.0))
         for name in ("fsync eager", OVERLAP):
-            s = harness.ratio(row, AGREEMENT, name)
+            s = table.ratio(row, AGREEMENT, name)
             text = f"{model}: the ranks' agreement < 1% of the {name} step"
             out.append((text, table.share(s, 2), s.median < 0.01))
     for world, row in results.get("host", {}).items():
         bound = 1.0 if world == 1 else 1.10
         where = f"{HOST_BOUND}, world {world}"
-        s = harness.ratio(row, steps.FSYNC_CALL, steps.DDP_BACKWARD)
+        s = table.ratio(row, steps.FSYNC_CALL, steps.DDP_BACKWARD)
         out.append(check(f"{where}: fsync.grad_and_value <= {bound:.2f} x DDP", s, bound))
         for name in (steps.FSYNC_POWERSGD, zero.VALUE_AND_STEP):
-            s = harness.ratio(row, name, COUNTERPART[name])
+            s = table.ratio(row, name, COUNTERPART[name])
             out.append(check(f"{where}: {name} <= 1.15 x {COUNTERPART[name]}", s, 1.15))
     for mode in ("compiled", "eager") if "sync" in results else ():
-        s = harness.ratio(results["sync"], f"sync_grads {mode}", FLAT)
+        s = table.ratio(results["sync"], f"sync_grads {mode}", FLAT)
         out.append(check(f"sync only ({mode}) <= 1.10 x flat all-reduce", s, 1.10))
     counts = _counts(results.get("leaves"))
     if len(counts) > 1:
-        s = harness.ratio(results["leaves"], f"compiled {counts[-1]}", f"compiled {counts[0]}")
+        s = table.ratio(results["leaves"], f"compiled {counts[-1]}", f"compiled {counts[0]}")
         out.append(check(f"compiled sync of {counts[-1]:,} leaves <= 1.3 x 1 leaf", s, 1.3))
     if "anatomy" in results:
         info = results["anatomy"]["info"][COMPILED_SYNC][0]
         on, per_bucket = f"({info['device']})", info["kernels"] / info["buckets"]
         text = f"pack + unpack kernels per bucket <= 2 {on}"
         out.append((text, f"{per_bucket:g}", per_bucket <= 2))
-        s = harness.ratio(results["anatomy"], COPY, "pack + unpack, compiled")
+        s = table.ratio(results["anatomy"], COPY, "pack + unpack, compiled")
         text = f"pack + unpack >= 80% of copy bandwidth {on}"
         out.append(check(text, s, 0.8, least=True, percent=True))
         n = info["recompiles"]
@@ -417,8 +397,8 @@ def tables(results: dict[str, Any]) -> list[table.Table]:
         for n in counts:
             cells = [f"{n:,}"]
             for mode in ("eager", "compiled"):
-                ratio = harness.ratio(row, f"{mode} {n}", f"{mode} {counts[0]}")
-                cells += [table.ms(harness.ms(row, f"{mode} {n}")), table.spread(ratio)]
+                ratio = table.ratio(row, f"{mode} {n}", f"{mode} {counts[0]}")
+                cells += [table.ms(table.median(row, f"{mode} {n}")), table.spread(ratio)]
             rows.append([*cells, f"{row['info'][f'compiled {n}'][0]['compile s']:.0f}"])
         header = ["leaves", "eager ms", "vs 1", "compiled ms", "vs 1", "compile s (empty cache)"]
         title = f"3. Leaf scaling: {results['leaves_bytes'] / 2**20:.0f} MiB as n leaves"
@@ -443,8 +423,8 @@ def tables(results: dict[str, Any]) -> list[table.Table]:
             cells = [name]
             for row in host.values():
                 base = COUNTERPART.get(name)
-                versus = table.spread(harness.ratio(row, name, base)) if base else ""
-                cells += [table.ms(harness.ms(row, name)), versus]
+                versus = table.spread(table.ratio(row, name, base)) if base else ""
+                cells += [table.ms(table.median(row, name)), versus]
             rows.append(cells)
         title = f"5. Host cost: one eager call on the {HOST_BOUND} (150 leaves), ms"
         out.append((title, header, rows))
@@ -453,7 +433,7 @@ def tables(results: dict[str, Any]) -> list[table.Table]:
         nbytes = info["bytes"]
 
         def rate(name: str) -> list[str]:
-            return [f"{2 * nbytes / harness.ms(results['anatomy'], name) / 1e6:.1f}"]
+            return [f"{2 * nbytes / table.median(results['anatomy'], name) / 1e6:.1f}"]
 
         header = ["", "ms", "vs copy", "GB/s read + written"]
         rows = table.timings(results["anatomy"], COPY, extra=rate)
@@ -475,13 +455,13 @@ def figures(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
         names = list(next(iter(steps_.values()))["rounds"])
         figure, (ax,) = plot.figure(size=(8, 0.35 * len(names) * len(steps_) + 1.5))
 
-        def vs_ddp(name: str, model: str) -> harness.Spread:
-            return harness.ratio(steps_[model], name, DDP_EAGER)
+        def vs_ddp(name: str, model: str) -> table.Spread:
+            return table.ratio(steps_[model], name, DDP_EAGER)
 
         plot.bars(ax, names, list(steps_), vs_ddp, horizontal=True)
         ax.axvline(1.0, color="grey", linewidth=0.8)
         ax.set_xlabel("step time relative to DDP eager, median and range (lower is better)")
-        ax.set_title(f"One training step, {results['environment']['backend']}")
+        ax.set_title(f"One training step, {results['backend']}")
         ax.legend()
         ax.invert_yaxis()
         paths.append(plot.save(figure, out / "benchmarks-step.png"))
@@ -489,7 +469,7 @@ def figures(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
         figure, (ax,) = plot.figure(size=(6.5, 4.2))
         for mode in ("eager", "compiled"):
             name = f"{mode} {{}}".format
-            ratios = [harness.ratio(results["leaves"], name(n), name(counts[0])) for n in counts]
+            ratios = [table.ratio(results["leaves"], name(n), name(counts[0])) for n in counts]
             ax.plot(counts, [r.median for r in ratios], "o-", label=mode)
             ax.fill_between(counts, [r.low for r in ratios], [r.high for r in ratios], alpha=0.2)
         ax.set_xscale("log")
@@ -528,31 +508,40 @@ ELSEWHERE = (
 )
 
 
-def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
-    environment = table.markdown(["", ""], results["environment"].items())
-    sections = [(t, "") for t in [table.targets(targets(results)), *tables(results)]]
-    end = ["## 7. GPU", "", results["gpu"], ""]
-    intro = [INTRO, environment, ELSEWHERE, READING]
-    return table.page(
-        out / "benchmarks.md", "Benchmarks", intro, figures(results, out), sections, end
-    )
+PAGE = page.Page(
+    file="benchmarks.md",
+    title="Benchmarks",
+    module="benchmarks.run",
+    measure=measure,
+    targets=targets,
+    tables=lambda results: [(t, "") for t in tables(results)],
+    intro=(INTRO, ELSEWHERE, READING),
+    figures=figures,
+    end=lambda results: ["## 7. GPU", "", results["gpu"], ""],
+    timing=page.Timing(rounds=10, steps=2, warmup=5),
+    environment=environment,
+    flags=flags,
+)
+PAGES = {"link": link, "twonodes": twonodes, "ft": ft}  # the other pages, each its own main
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    pages = [c for c in ("link", "twonodes", "ft") if c in args.only and args.device == "cpu"]
-    args.only = [c for c in args.only if c not in ("link", "twonodes", "ft")]
+    args = page.parse(PAGE, argv, __doc__.split("\n\n")[0])
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda needs a CUDA device; none is visible")
+    pages = [c for c in PAGES if c in args.only and args.device == "cpu"]
+    args.only = [c for c in args.only if c not in PAGES]
+    if args.device == "cuda":
+        args.only = [c for c in args.only if c in CUDA_CASES]
+    args.world_size = args.world_size or (2 if args.device == "cpu" else 1)
     if args.only:
-        results = measure(args)
-        table.console([*tables(results), table.targets(targets(results))])
-        if not args.no_report:
-            print("wrote " + ", ".join(map(str, write(results, args.out))))
+        page.report(PAGE, args)
     common = ["--out", str(args.out)]
     if args.smoke:
         common += ["--smoke", f"--rounds={args.rounds}", f"--steps={args.steps}"]
         common += [f"--warmup={args.warmup}"]
-    for page in pages:  # each says so and skips what it cannot run
-        {"link": link, "twonodes": twonodes, "ft": ft}[page].main(common)
+    for name in pages:  # each says so and skips what it cannot run
+        PAGES[name].main(common)
     return 0
 
 

@@ -3,14 +3,13 @@
 Every builder runs on each rank of a world that :func:`benchmarks.harness.turns` made and
 returns what one call of the setting does: an autograd step on an ``nn.Module`` (alone or
 in DDP, eager or compiled), a ``torch.func`` step with fsync's sync or without, a flat
-all-reduce of the gradients' bytes. All of them train with SGD at ``LR``; a page picks them
-with ``functools.partial`` (:func:`setting`).
+all-reduce of the gradients' bytes. They train with SGD at ``LR`` (or AdamW, where a page
+asks); a page picks them with ``functools.partial`` (:func:`setting`).
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +24,7 @@ from benchmarks.constants import LR, caps
 from benchmarks.harness import Built, Setting
 from benchmarks.models import Load
 from fsync import _agree
+from tests._inductor_code import overlapped_kernels
 
 FLAT = "flat all-reduce (floor)"
 PURE_MEAN = "scaled copy + flat all-reduce (pure mean)"
@@ -46,19 +46,33 @@ class Held:
         self.params, self.state = self.fn(self.params, self.state)
 
 
-def module(load: Load, *, ddp: bool, compiled: bool = False, cap: float | None = None) -> Built:
-    """An autograd step on the module, alone or wrapped in DDP, its forward eager or under
-    ``torch.compile``, with ``torch.optim.SGD``."""
+# Each optimizer as torch and as fsync have it, at ``LR`` (AdamW: weight decay 1e-2 in both).
+OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], Callable[[float], Any]]] = {
+    "sgd": (torch.optim.SGD, fsync.optim.sgd),
+    "adamw": (torch.optim.AdamW, fsync.optim.adamw),
+}
+
+
+def module(
+    load: Load,
+    *,
+    ddp: bool,
+    compiled: bool = False,
+    cap: float | None = None,
+    optimizer: str = "sgd",
+) -> Built:
+    """An autograd step on the module, alone or wrapped in DDP (buckets of ``cap`` MiB), its
+    forward eager or under ``torch.compile``, with ``torch.optim``'s SGD or AdamW."""
     work = load.build()
     batch = work.batch(dist.get_rank())
     model: torch.nn.Module = DDP(work.model, bucket_cap_mb=cap) if ddp else work.model
     forward = torch.compile(model) if compiled else model
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    torch_optimizer = OPTIMIZERS[optimizer][0](model.parameters(), lr=LR)
 
     def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
+        torch_optimizer.zero_grad(set_to_none=True)
         torch.autograd.backward(work.loss(forward, batch))
-        optimizer.step()
+        torch_optimizer.step()
 
     return Built(step, lambda: {"params": work.num_params})
 
@@ -70,8 +84,9 @@ def functional(
     compiled: bool = False,
     overlap: bool = True,
     cap: float | None = None,
+    optimizer: str = "sgd",
 ) -> Built:
-    """A ``torch.func`` step with ``fsync.optim.sgd``.
+    """A ``torch.func`` step with ``fsync.optim``'s SGD or AdamW.
 
     ``sync``: ``None`` (no sync: the floor), ``"sync_grads"`` (after
     ``torch.func.grad_and_value`` returns) or ``"grad_and_value"`` (``fsync.grad_and_value``,
@@ -82,7 +97,7 @@ def functional(
     """
     work = load.build()
     batch = work.batch(dist.get_rank())
-    optimizer = fsync.optim.sgd(LR)
+    update = OPTIMIZERS[optimizer][1](LR)
     synced = fsync.grad_and_value(work.functional_loss, **caps(cap))
 
     def train(params: dict[str, torch.Tensor], state: Any) -> Any:
@@ -92,11 +107,11 @@ def functional(
             grads, _ = torch.func.grad_and_value(work.functional_loss)(params, batch)
             if sync == "sync_grads":
                 grads = fsync.sync_grads(grads, **caps(cap))
-        return optimizer.update(params, grads, state)
+        return update.update(params, grads, state)
 
     params = work.params()
     fn = fsync.compile(train, overlap=overlap) if compiled else train
-    step = Held(fn, params, optimizer.init(params))
+    step = Held(fn, params, update.init(params))
     if not (compiled and sync):
         return Built(step)
     _, code = run_and_get_code(step)  # compiles: the first warm-up step, its code kept
@@ -189,42 +204,3 @@ def agreement(load: Load) -> Callable[[], object]:
     plan, leaves = fsync.plan_buckets(params), list(params.values())
     terms = _agree.Terms(fsync.ops.allreduce().spec)
     return lambda: _agree.agree_on(plan, leaves, None, terms, pack=lambda token: [])
-
-
-# --- reading inductor's code ----------------------------------------------------------------
-
-_ISSUE = re.compile(
-    r"_c10d_functional\.(?:all_reduce_|all_reduce|reduce_scatter_tensor|all_gather_into_tensor)"
-    r"\.default\((\w+)"
-)
-_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((\w+)")
-_KERNEL = re.compile(
-    r"^\s*(?:\w+ = )?"
-    r"(?:extern_kernels\.\w+|torch\.ops\.(?:aten|fsync)\.[\w.]+|cpp_fused_\w+|triton_\w+\.run)\("
-)
-
-
-def overlapped_kernels(code: str) -> tuple[int, int]:
-    """(collectives, compute kernels launched while one is in flight) in inductor's code.
-
-    A collective is in flight from the line that issues it to the ``wait_tensor`` on its
-    buffer; a kernel launched in between runs while the collective does, which is the
-    overlap the compiler's reordering buys.
-    """
-    in_flight: set[str] = set()
-    collectives = overlapped = 0
-    for line in code.splitlines():
-        if issued := _ISSUE.search(line):
-            in_flight.add(issued.group(1))
-            collectives += 1
-        elif waited := _WAIT.search(line):
-            in_flight.discard(waited.group(1))
-        elif in_flight and _KERNEL.match(line):
-            overlapped += 1
-    return collectives, overlapped
-
-
-def kernels_launched(code: str) -> int:
-    """Compute kernels (fused, extern and fallback ops) in inductor's code: not collectives,
-    waits or views (``reinterpret_tensor``), which launch nothing."""
-    return sum(1 for line in code.splitlines() if _KERNEL.match(line))

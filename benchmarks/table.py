@@ -1,4 +1,5 @@
-"""One table writer for every page: cells, the tables pages share, targets, the page file."""
+"""The figures of every page and their writer: a ratio over the rounds with its spread,
+cells, the tables pages share, targets, the page file."""
 
 from __future__ import annotations
 
@@ -8,18 +9,54 @@ import pathlib
 import platform
 import re
 import socket
-from collections.abc import Callable, Iterable, Sequence
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-
-import fsync
-from benchmarks import harness
-from benchmarks.harness import Row, Spread
+if TYPE_CHECKING:
+    from benchmarks.harness import Row
 
 # A table: its title, its header and its rows of cells.
 Table = tuple[str, list[str], list[list[str]]]
 # A target: what it asks, what was measured, whether it is met (``None``: not run).
 Target = tuple[str, str, bool | None]
+
+
+class Spread(NamedTuple):
+    """A figure over the rounds: the lowest, the median and the highest."""
+
+    low: float
+    median: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Spread:
+        """The spread of ``values``, one a round."""
+        ordered = sorted(values)
+        return cls(ordered[0], statistics.median(ordered), ordered[-1])
+
+
+def per_round(row: Row, fn: Callable[[Mapping[str, float]], float]) -> Spread:
+    """The spread of ``fn`` over the rounds, ``fn`` reading each round's ms by setting."""
+    rounds = row["rounds"]
+    n = min(len(v) for v in rounds.values())
+    return Spread.of(fn({name: ms[r] for name, ms in rounds.items()}) for r in range(n))
+
+
+def ratio(row: Row, name: str, base: str) -> Spread:
+    """``name``'s step time over ``base``'s, round by round."""
+    return per_round(row, lambda ms: ms[name] / ms[base])
+
+
+def hidden(row: Row, name: str, own: str, alone: str) -> Spread:
+    """The share of its communication that ``name`` hides behind its own compute, round by
+    round: (``own`` compute + the communication ``alone`` - ``name``'s step) / ``alone``."""
+    return per_round(row, lambda ms: (ms[own] + ms[alone] - ms[name]) / ms[alone])
+
+
+def median(row: Row, name: str) -> float:
+    """``name``'s median ms per step over the rounds."""
+    return statistics.median(row["rounds"][name])
 
 
 def ms(x: float) -> str:
@@ -46,7 +83,7 @@ def timings(
     """A line per setting that ran: its name, its ms, its ratio to each of ``bases``, then
     ``extra(name)``."""
     return [
-        [n, ms(harness.ms(row, n)), *[spread(harness.ratio(row, n, b)) for b in bases], *extra(n)]
+        [n, ms(median(row, n)), *[spread(ratio(row, n, b)) for b in bases], *extra(n)]
         for n in row["rounds"]
     ]
 
@@ -79,6 +116,10 @@ def check(
 
 def environment(**more: str) -> dict[str, str]:
     """What a page was measured on: the date, the machine, the versions, and ``more``."""
+    import torch
+
+    import fsync
+
     cpu = platform.processor() or "unknown CPU"
     for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -98,10 +139,15 @@ def met(ok: bool | None) -> str:
     return {True: "yes", False: "**no**", None: "-"}[ok]
 
 
-def markdown(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+def markdown(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table; each cell on one line, its ``|`` escaped."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["| " + " | ".join(map(_cell, row)) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    return " ".join(str(value).split()).replace("|", "\\|")
 
 
 def section(table: Table, note: str = "") -> list[str]:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
-from benchmarks import harness, table
+from benchmarks import harness, page, table
 from benchmarks.constants import CAP_MB
 from benchmarks.harness import Built
 from benchmarks.models import Load
@@ -45,6 +45,7 @@ from benchmarks.steps import setting
 
 COLUMNS = ("forward done", "first bucket issued", "last bucket issued", "returned")
 SETTINGS = ("DDP eager", "fsync.grad_and_value")
+TIMING = page.Timing(rounds=15, steps=2, warmup=3)  # 30 timed calls of each setting
 
 
 class Clock:
@@ -130,12 +131,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="deep MLP", help="MLP, deep MLP or GPT")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=30, help="timed calls of each setting")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes (the test)")
-    args = parser.parse_args(argv)
-    load, warmup = Load(args.workload, args.batch, args.smoke), 3
-    settings = [setting(n, recorded, load=load, name=n, warmup=warmup) for n in SETTINGS]
-    row = harness.turns(settings, rounds=max(1, args.steps // 2), steps=2, warmup=warmup)
+    page.turn_flags(parser, TIMING)
+    args = page.settle(parser.parse_args(argv), TIMING)
+    load = Load(args.workload, args.batch, args.smoke)
+    settings = [setting(n, recorded, load=load, name=n, warmup=args.warmup) for n in SETTINGS]
+    row = harness.turns(settings, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
     assert row is not None  # one node: this one
     print(f"{args.workload}, batch {args.batch}, 2 ranks (ms since the call began)")
     cells = [

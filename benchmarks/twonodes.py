@@ -3,29 +3,28 @@
 A 2-D mesh pays where the link between nodes is slower than the links within one, which
 one shaped loopback cannot show. ``../shared/tools/twonodes`` (as root) makes two network
 namespaces, each with its own fast loopback, joined by a cable shaped to a rate. For each
-rate (10, 4 and 1 Gbit/s) this page runs itself once on each node (``--node``): each node
-forks its two ranks of every setting's world of 2 x 2 (:mod:`benchmarks.harness`), node 0
-gives the turns and writes JSON to a path both nodes share; the parent writes
-``docs/benchmarks-twonodes.md`` and its figures. What each rate measures is in
-:func:`sync_alone` and :func:`gpt_step`, the method in the page's :data:`READING`. Where
-``twonodes`` cannot make its namespaces (exit 3: not root) the page says so and is skipped.
+rate (10, 4 and 1 Gbit/s) this page runs itself once on each node (``--child RATE``): each
+node forks its two ranks of every setting's world of 2 x 2 (:mod:`benchmarks.harness`),
+node 0 gives the turns and writes JSON to a path both nodes share; the parent writes
+``docs/benchmarks-twonodes.md`` and its figures (:mod:`benchmarks.page`). What each rate
+measures is in :func:`sync_alone` and :func:`gpt_step`, the method in the page's
+:data:`READING`. Where
+``twonodes`` cannot make its namespaces (not root) the page says so and is not written.
 ``--smoke`` runs tiny sizes in worlds of 4 ranks on this machine's loopback (``--rates
 local``, what CI runs); ``--smoke --rates 1gbit`` runs them on two nodes. By hand, one
 rate, as the parent launches it (from the repository root)::
 
     ../shared/tools/twonodes --rate 1gbit -- \\
-        'python -m benchmarks.twonodes --node --rate 1gbit --json /tmp/1gbit.json'
+        'python -m benchmarks.twonodes --child 1gbit --json /tmp/1gbit.json'
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import sys
-import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 if not __package__:  # run as a script: the repository first, not benchmarks/
@@ -37,11 +36,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
-from benchmarks import harness, plot, table
-from benchmarks.constants import CAP_MB, DOCS, LR, TOOLS
-from benchmarks.harness import Row, Spread
+from benchmarks import harness, page, plot, table
+from benchmarks.constants import CAP_MB, LR
+from benchmarks.harness import Row
 from benchmarks.models import Load
+from benchmarks.page import Page, label
 from benchmarks.steps import Held, setting
+from benchmarks.table import Spread
 
 RATES = ("10gbit", "4gbit", "1gbit")
 SMOKE_RATE = "local"  # --smoke: worlds of 4 ranks on this machine's loopback
@@ -85,26 +86,6 @@ FLAT_SETTINGS = (FLAT, SYNC_FLAT, DDP_EAGER, STEP_FLAT, DDP_NO_SYNC)
 # The cable's floors for the hierarchical mean on 2 x 2 against the flat ring (ring model):
 # S of 1.5 S in fp32, S / 2 of 1.5 S with bf16 across nodes.
 FLOORS = {"fp32 across nodes: 2/3": 2 / 3, "bf16 across nodes: 1/3": 1 / 3}
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--node", action="store_true", help="run one node's ranks (in twonodes)")
-    parser.add_argument("--rate", help="--node: the rate it runs at, or local")
-    parser.add_argument(
-        "--rates",
-        default=None,
-        help=f"comma-separated, of {RATES}, or {SMOKE_RATE!r}: 4 ranks on this machine, "
-        f"without twonodes (default: all of them; {SMOKE_RATE!r} with --smoke)",
-    )
-    parser.add_argument("--twonodes", type=pathlib.Path, default=TOOLS / "twonodes")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes (and --rates local)")
-    parser.add_argument("--rounds", type=int, default=6, help="turns of the sync alone")
-    parser.add_argument("--steps", type=int, default=2, help="calls per turn of the sync alone")
-    parser.add_argument("--warmup", type=int, default=3, help="calls before a sync's turns")
-    parser.add_argument("--out", type=pathlib.Path, default=DOCS)
-    parser.add_argument("--json", type=pathlib.Path, help="--node: where node 0 writes results")
-    return parser.parse_args(argv)
 
 
 # --- what crosses nodes ----------------------------------------------------------------------
@@ -269,9 +250,7 @@ def gpt_step(smoke: bool, name: str) -> Callable[[], None]:
 # --- one node's processes, at one rate --------------------------------------------------------
 
 
-def node(
-    args: argparse.Namespace, rate: str, env: dict[str, str] | None = None
-) -> dict[str, Any] | None:
+def measure(args: argparse.Namespace, rate: str, env: Mapping[str, str]) -> dict[str, Any] | None:
     """Runs this node's ranks of every world at ``rate``, in turns (``env`` set in every
     rank); node 0 returns the results. At :data:`SMOKE_RATE`, all four ranks here."""
     local = rate == SMOKE_RATE
@@ -317,38 +296,7 @@ def node(
     }
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any] | None:
-    """Every rate, each in a fresh two-node launch (:data:`SMOKE_RATE`: four ranks forked
-    from this process); ``None`` where twonodes cannot run."""
-    default = [SMOKE_RATE] if args.smoke else RATES
-    results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="fsync-twonodes-") as tmp:
-        env = {"OMP_NUM_THREADS": "1", **harness.inductor_cache(tmp, args.smoke)}
-        for rate in [r for r in args.rates.split(",") if r] if args.rates else default:
-            if rate == SMOKE_RATE:  # one loopback, no namespaces: nothing to launch
-                results[rate] = node(args, rate, env)
-                continue
-            command = [sys.executable, "-m", "benchmarks.twonodes", "--node", "--rate", rate]
-            command += [f"--rounds={args.rounds}", f"--steps={args.steps}"]
-            command += [f"--warmup={args.warmup}", *(["--smoke"] if args.smoke else [])]
-            if (found := harness.at_rate(command, rate, args.twonodes, env)) is None:
-                return None
-            results[rate] = found
-    results["environment"] = table.environment(sizes="smoke (tiny)" if args.smoke else "full")
-    return results
-
-
 # --- the page ---------------------------------------------------------------------------------
-
-
-def label(rate: str) -> str:
-    """``"1gbit"`` -> ``"1 Gbit/s"``; the smoke run's ``"local"`` says what it was."""
-    return rate.replace("gbit", " Gbit/s") if rate.endswith("gbit") else f"{rate} (one loopback)"
-
-
-def rates(results: dict[str, Any]) -> list[str]:
-    """The rates measured, fastest first, as run."""
-    return [r for r in results if r != "environment"]
 
 
 def _row(results: dict[str, Any], rate: str, part: str, tree: str) -> Row:
@@ -359,7 +307,7 @@ def _row(results: dict[str, Any], rate: str, part: str, tree: str) -> Row:
 def ratio(results: dict[str, Any], rate: str, part: str, tree: str, name: str, base: str) -> Spread:
     """``name``'s time over ``base``'s at ``rate`` in section ``part`` (``"sync"``, with
     ``tree`` a tree, or ``"step"``, with ``tree`` ignored), round by round."""
-    return harness.ratio(_row(results, rate, part, tree), name, base)
+    return table.ratio(_row(results, rate, part, tree), name, base)
 
 
 def targets(results: dict[str, Any]) -> list[table.Target]:
@@ -391,7 +339,7 @@ def targets(results: dict[str, Any]) -> list[table.Target]:
 def _table(results: dict[str, Any], part: str, tree: str, base: str) -> list[list[str]]:
     """Per setting: MiB across nodes per rank, the cable's floor relative to ``base``'s, and
     per rate the ms and the ratio to ``base``."""
-    crossed = results[rates(results)[0]]["bytes"][tree if part == "sync" else "step"]
+    crossed = next(iter(results.values()))["bytes"][tree if part == "sync" else "step"]
     out = []
     for name, cross in crossed.items():
         cells = [
@@ -399,10 +347,10 @@ def _table(results: dict[str, Any], part: str, tree: str, base: str) -> list[lis
             f"{cross['cross'] / MiB:.2f}",
             table.times(cross["cable"] / crossed[base]["cable"]),
         ]
-        for rate in rates(results):
+        for rate in list(results):
             row = _row(results, rate, part, tree)
-            vs = table.spread(harness.ratio(row, name, base))
-            cells.append(f"{table.ms(harness.ms(row, name))} ({vs})")
+            vs = table.spread(table.ratio(row, name, base))
+            cells.append(f"{table.ms(table.median(row, name))} ({vs})")
         out.append(cells)
     return out
 
@@ -412,16 +360,14 @@ def _header(results: dict[str, Any], base: str) -> list[str]:
         "",
         "MiB across nodes per rank",
         f"cable each way vs {base} (floor)",
-        *[f"{label(r)}: ms (vs {base})" for r in rates(results)],
+        *[f"{label(r)}: ms (vs {base})" for r in list(results)],
     ]
 
 
 def figures(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
     """The sync alone relative to the flat all-reduce per rate and tree, the GPT's step
     relative to DDP eager per rate, and the bytes each setting puts across nodes."""
-    if not rates(results):
-        return []
-    groups = [label(r) for r in rates(results)]
+    groups = [label(r) for r in list(results)]
 
     def floors(ax: Any) -> None:
         for (name, floor), style in zip(FLOORS.items(), ("--", ":"), strict=True):
@@ -431,14 +377,14 @@ def figures(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
         ax.axhline(1.0, color="black", linewidth=0.8)
 
     def against(part: str, tree: str, base: str) -> Callable[[str, str], Spread]:
-        return lambda g, s: ratio(results, rates(results)[groups.index(g)], part, tree, s, base)
+        return lambda g, s: ratio(results, list(results)[groups.index(g)], part, tree, s, base)
 
-    trees = list(results[rates(results)[0]]["sync"])
+    trees = list(next(iter(results.values()))["sync"])
     figure, axes = plot.figure(len(trees), size=(9, 4.2 * len(trees)))
     for ax, tree in zip(axes, trees, strict=True):
         plot.bars(ax, groups, list(SYNC_SETTINGS[1:]), against("sync", tree, FLAT))
         floors(ax)
-        size = results[rates(results)[0]]["trees"][tree] / MiB
+        size = next(iter(results.values()))["trees"][tree] / MiB
         ax.set_ylabel("time / flat all-reduce's")
         ax.set_title(
             f"The sync alone, {tree} ({size:.1f} MiB): 2 nodes x 2 ranks (lower is better)"
@@ -454,7 +400,7 @@ def figures(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
     )
     ax.legend(fontsize=7, ncol=2)
     paths.append(plot.save(figure, out / "benchmarks-twonodes-step.png"))
-    crossed = results[rates(results)[0]]["bytes"]["step"]
+    crossed = next(iter(results.values()))["bytes"]["step"]
     figure, (ax,) = plot.figure(size=(10, 0.4 * len(crossed) + 1.6))
     values = [c["cable"] / crossed[DDP_EAGER]["cable"] for c in crossed.values()]
     ax.barh(list(crossed), values, color=["grey", *[f"C{i}" for i in range(len(values) - 1)]])
@@ -489,7 +435,6 @@ READING = (
     "on the cable (2 x B, B half the flat one's): the least time a cable-bound sync can take, "
     'as a share of the flat one\'s (`docs/hierarchical.md`, "When the hierarchical mean pays").'
 )
-NOT_RUN = "Not run yet: `python benchmarks/run.py --only twonodes` (as root) writes this page."
 STEP_NOTE = (
     "The GPT: 6 layers, d_model 512, 21M parameters, batch 4 sequences of 64 tokens per rank, "
     f"SGD. The accumulating settings split the same 4 sequences into {MICRO_BATCHES} "
@@ -500,39 +445,40 @@ STEP_NOTE = (
 )
 
 
-def write(results: dict[str, Any], out: pathlib.Path) -> list[pathlib.Path]:
-    """``benchmarks-twonodes.md`` and its figures in ``out``."""
-    env = results.get("environment", {})
-    intro = [READING, table.markdown(["", ""], env.items()) if env else ""]
-    sections = [(table.targets(targets(results)), "")]
-    first = results[rates(results)[0]] if rates(results) else {"sync": {}}
+def tables(results: dict[str, Any]) -> list[tuple[table.Table, str]]:
+    """The sync alone on each tree, then the GPT's step: per setting what crosses nodes and
+    its time at each rate."""
+    first = next(iter(results.values()))
+    out: list[tuple[table.Table, str]] = []
     for tree in first["sync"]:
         title = f"The sync alone: {tree} ({first['trees'][tree] / MiB:.1f} MiB)"
         rows = _table(results, "sync", tree, FLAT)
-        sections.append(((title, _header(results, "flat all-reduce"), rows), ""))
-    if rates(results):
-        rows = _table(results, "step", GPT, DDP_EAGER)
-        title = "The GPT's training step on 2 nodes x 2 ranks"
-        sections.append(((title, _header(results, "DDP eager"), rows), STEP_NOTE))
-    end = [] if rates(results) else [NOT_RUN, ""]
-    pngs = figures(results, out)
-    return table.page(
-        out / "benchmarks-twonodes.md", "Benchmarks on two nodes", intro, pngs, sections, end
-    )
+        out.append(((title, _header(results, "flat all-reduce"), rows), ""))
+    rows = _table(results, "step", GPT, DDP_EAGER)
+    title = "The GPT's training step on 2 nodes x 2 ranks"
+    return [*out, ((title, _header(results, "DDP eager"), rows), STEP_NOTE)]
+
+
+PAGE = Page(
+    file="benchmarks-twonodes.md",
+    title="Benchmarks on two nodes",
+    module="benchmarks.twonodes",
+    measure=measure,
+    targets=targets,
+    tables=tables,
+    intro=(READING,),
+    figures=figures,
+    timing=page.Timing(rounds=6, steps=2, warmup=3),
+    rates=RATES,
+    smoke_rates=(SMOKE_RATE,),
+    tool="twonodes",
+    env={"OMP_NUM_THREADS": "1"},
+    environment=lambda args, results: {"sizes": "smoke (tiny)" if args.smoke else "full"},
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.node:
-        results = node(args, args.rate)
-        if results is not None:
-            assert args.json is not None
-            args.json.write_text(json.dumps(results))
-        return 0
-    results = measure(args)
-    if results is not None:
-        print("wrote " + ", ".join(map(str, write(results, args.out))))
-    return 0
+    return page.main(PAGE, argv, __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

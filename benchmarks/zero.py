@@ -40,10 +40,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
-from benchmarks import harness, table
-from benchmarks.constants import CAP_MB, LR, label
+from benchmarks import harness, page, table
+from benchmarks.constants import CAP_MB, LR
 from benchmarks.harness import Built, Row, Setting, UnavailableError
 from benchmarks.models import Load
+from benchmarks.page import label
 from benchmarks.steps import Held, setting
 
 REFERENCE = "ZeroRedundancyOptimizer + DDP"
@@ -75,6 +76,7 @@ FSYNC = {EAGER: "eager", WHOLE: "whole", COMPILED: "compiled"}
 FSYNC |= {VALUE_AND_STEP: "value_and_step", VALUE_AND_STEP_COMPILED: "value_and_step compiled"}
 WORKLOADS, BATCHES, RATES = ("deep MLP", "GPT"), (64, 256), ("unshaped", "8gbit")
 MEMORY = (REFERENCE, EAGER, VALUE_AND_STEP)
+TIMING = page.Timing(rounds=5, steps=2, warmup=3)  # ``python -m benchmarks.zero``'s turns
 
 
 # --- the settings, built in their processes --------------------------------------------------
@@ -229,14 +231,9 @@ def loads(rate: str, smoke: bool) -> list[Load]:
 # --- the section ------------------------------------------------------------------------------
 
 
-def hidden(row: Row, name: str) -> harness.Spread:
+def hidden(row: Row, name: str) -> table.Spread:
     """The share of the RS/AG time ``name`` hides behind its own compute, round by round."""
-    return harness.per_round(row, lambda m: (m[OWN[name]] + m[RSAG] - m[name]) / m[RSAG])
-
-
-def skipped(row: Row) -> dict[str, str]:
-    """Why each setting of the section did not run."""
-    return dict(row["unavailable"])
+    return table.hidden(row, name, OWN[name], RSAG)
 
 
 # Issue 27's targets for the overlapped call: its step against the reference's, at every
@@ -260,7 +257,7 @@ def targets(results: dict[str, dict[str, Row]], memory: dict[str, Row]) -> list[
             for load in loads(rate, smoke=False):
                 text = f"ZeRO, {load}: {name} <= {within:.2f}x {REFERENCE}, {label(rate)}"
                 row = ran(rate, load, name)
-                ratio = harness.ratio(row, name, REFERENCE) if row else None
+                ratio = table.ratio(row, name, REFERENCE) if row else None
                 out.append(table.check(text, ratio, within))
         for load in loads(HIDDEN_RATE, smoke=False):
             text = f"ZeRO, {load}: {name} hides >= {HIDDEN:.0%} of its RS/AG, {label(HIDDEN_RATE)}"
@@ -293,7 +290,7 @@ def tables(results: dict[str, dict[str, Row]], memory: dict[str, Row]) -> list[t
                 return [table.share(hidden(row, name)), f"{row['info'][name][0]['state MiB']:.2f}"]
 
             cells = table.timings(row, REFERENCE, extra=more)
-            cells += [[n, f"not run: {why}", "", "", ""] for n, why in skipped(row).items()]
+            cells += [[n, f"not run: {why}", "", "", ""] for n, why in row["unavailable"].items()]
             out.append((f"ZeRO, AdamW: {key}, {label(rate)}", header, cells))
     if memory:
         _, columns, cells = table.memory(memory, EAGER, CAP_MB)
@@ -306,11 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rate", choices=RATES, default=RATES[0], help="the rate the loopback is shaped to"
     )
-    parser.add_argument("--rounds", type=int, default=5, help="turns per setting")
-    parser.add_argument("--steps", type=int, default=2, help="steps per turn")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per world")
-    parser.add_argument("--smoke", action="store_true", help="the deep MLP's smoke row only")
-    args = parser.parse_args(argv)
+    page.turn_flags(parser, TIMING)
+    args = page.settle(parser.parse_args(argv), TIMING)
     rows: dict[str, Row] = {}
     for load in loads(args.rate, args.smoke):
         row = harness.turns(

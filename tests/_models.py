@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import pathlib
+import sys
+from typing import NamedTuple
+
 import torch
 from torch import nn
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))  # gpt_model
 
 
 class RefModel(nn.Module):
@@ -100,3 +106,45 @@ def func_loss(model: nn.Module):
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     """Detached parameters in ``named_parameters()`` order."""
     return {name: p.detach() for name, p in model.named_parameters()}
+
+
+class GPTWork(NamedTuple):
+    """A small GPT of ``examples/gpt_model.py`` on random tokens, as torch.func trains it."""
+
+    model: nn.Module
+    sequences: int
+    vocab_size: int
+
+    def batch(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Different tokens on every rank: inputs and the next tokens."""
+        g = torch.Generator().manual_seed(1000 + rank)
+        block = self.model.config.block_size
+        tokens = torch.randint(0, self.vocab_size, (self.sequences, block + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def functional_loss(
+        self, params: dict[str, torch.Tensor], batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        x, y = batch
+        logits = torch.func.functional_call(self.model, params, (x,))
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+
+def gpt(n_layer: int = 2, scale: float = 1 / 8, vocab_size: int = 256) -> GPTWork:
+    """The examples' GPT at ``scale`` of d_model 512 (one head per 64), blocks of 64 tokens,
+    4 sequences a batch: the same model on every rank."""
+    from gpt_model import GPT, GPTConfig  # type: ignore[import-not-found]  # examples/
+
+    torch.manual_seed(0)
+    d_model = max(32, int(512 * scale))
+    config = GPTConfig(
+        vocab_size=vocab_size,
+        block_size=64,
+        n_layer=n_layer,
+        n_head=max(1, d_model // 64),
+        d_model=d_model,
+    )
+    return GPTWork(GPT(config), 4, vocab_size)

@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import functools
 import gc
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -31,13 +32,10 @@ from typing import Any
 
 import pytest
 
-from benchmarks.harness import PRELOAD, preloaded_context
-
 DEFAULT_TIMEOUT = 180.0
-# What the ranks' server imports once: the harness's list (torch, dynamo's and inductor's
-# modules, which halve a process's first compile, and fsync; none starts a thread a fork
-# could catch holding a lock), and this module.
-_PRELOAD = (*PRELOAD, "tests._world")
+# What the ranks' server imports once: torch, its compiler and fsync, with what inductor
+# asks each process once worked out (``tests/_preload.py``), and this module.
+_PRELOAD = ("tests._preload", "tests._world")
 
 
 class RankFailedError(AssertionError):
@@ -80,7 +78,7 @@ def _worker(rank: int, size: int, init_file: str, pg_timeout: float, conn: Conne
     if dist.is_initialized():
         # A test's DDP lives in a reference cycle until collected; collected after the
         # group is gone, its Reducer frees the group with the GIL held and the gloo
-        # destructor can deadlock on it (``benchmarks.harness.leave_group`` says how).
+        # destructor can deadlock on it (pytorch/pytorch#56297).
         gc.collect()
         dist.destroy_process_group()
     # Nothing is left to do: skip the interpreter's teardown of torch and inductor (0.5 s
@@ -92,9 +90,16 @@ def _worker(rank: int, size: int, init_file: str, pg_timeout: float, conn: Conne
 
 @functools.cache
 def _context() -> Any:
-    """Where the ranks start: the harness's forkserver preloaded with :data:`_PRELOAD`
-    (spawn on a machine with a GPU: ``benchmarks.harness.preloaded_context``)."""
-    return preloaded_context(_PRELOAD)
+    """Where the ranks start: a forkserver preloaded with :data:`_PRELOAD`; on a machine with
+    a GPU, fresh interpreters (spawn), since a process forked from one that has touched the
+    CUDA driver cannot use CUDA, and the preloaded imports do."""
+    import torch
+
+    if torch.cuda.is_available():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(_PRELOAD))  # once: before the server starts
+    return context
 
 
 def forked(fn: Callable[..., None], *args: Any) -> Any:

@@ -13,14 +13,68 @@ import itertools
 import os
 import re
 import sys
+import time
+from collections.abc import Callable
 
 import pytest
+import torch
+import torch._inductor.cpu_vec_isa
+import torch._inductor.fx_passes.joint_graph
+import torch._inductor.fx_passes.post_grad
+import torch.distributed as dist
+import torch.hub
 
-from benchmarks import harness, link, run, steps, table, twonodes, zero
-from tests import _harness_settings
+from benchmarks import ft, harness, link, page, run, steps, table, twonodes, zero
+from benchmarks.harness import Built, UnavailableError
 from tests._launch import PAGES_TIMEOUT_S, bounded
 
 PNG = b"\x89PNG\r\n\x1a\n"
+
+
+# --- settings whose time is known, built in the harness's processes ----------------------------
+
+
+def sleeper(ms: float) -> Callable[[], None]:
+    """A step that all-reduces one float, then sleeps ``ms``."""
+    x = torch.ones(1)
+
+    def step() -> None:
+        dist.all_reduce(x)
+        time.sleep(ms / 1000)
+
+    return step
+
+
+def refused() -> Callable[[], None]:
+    """A setting that cannot run here, on every rank."""
+    raise UnavailableError("not on this machine")
+
+
+def broken() -> Callable[[], None]:
+    """A setting whose rank 1 fails as it builds, while rank 0 goes on and waits for it."""
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 cannot build this setting")
+    return sleeper(1)
+
+
+def forked_knowing() -> Built:
+    """A step that does nothing; its info says what this process started knowing (worked out
+    in its server, not by itself): the vector instruction sets inductor may use, and the
+    graph passes' patterns (the joint graph's for no device and for the CPU, the post-grad
+    ones); and whether tqdm's monitor thread was stopped in the server before it forked (a
+    child thinks one runs, and starts none, where the server's was running)."""
+    known = {
+        "vector ISAs known": torch._inductor.cpu_vec_isa.valid_vec_isa_list,
+        "joint-graph patterns known": torch._inductor.fx_passes.joint_graph.lazy_init,
+        "post-grad patterns known": torch._inductor.fx_passes.post_grad.lazy_init,
+    }
+    info = {what: fn.cache_info().currsize for what, fn in known.items()}
+    monitor = getattr(torch.hub.tqdm, "monitor", None)
+    info["no tqdm monitor thought to run"] = monitor is None or not monitor.report()
+    return Built(lambda: None, lambda: info)
+
+
+# --- the harness --------------------------------------------------------------------------------
 
 
 def _row(**rounds: list[float]) -> harness.Row:
@@ -36,9 +90,9 @@ def _one(**ms: float) -> harness.Row:
 @pytest.mark.timeout(120)
 def test_settings_take_turns_each_in_processes_of_its_own():
     settings = [
-        harness.Setting("A", functools.partial(_harness_settings.sleeper, ms=20)),
-        harness.Setting("B", functools.partial(_harness_settings.sleeper, ms=40)),
-        harness.Setting("C", _harness_settings.refused),
+        harness.Setting("A", functools.partial(sleeper, ms=20)),
+        harness.Setting("B", functools.partial(sleeper, ms=40)),
+        harness.Setting("C", refused),
     ]
     row = harness.turns(settings, rounds=4, steps=2, warmup=1)
     assert row is not None
@@ -56,7 +110,7 @@ def test_settings_take_turns_each_in_processes_of_its_own():
     # The ratio is reported as its spread over the four rounds. B sleeps twice as long as
     # A; the collectives and the timer add a little to both (the bounds leave room for a
     # loaded machine).
-    spread = harness.ratio(row, "B", "A")
+    spread = table.ratio(row, "B", "A")
     assert len(row["rounds"]["B"]) == 4
     assert spread.low <= spread.median <= spread.high
     assert 1.4 < spread.median < 2.4, spread
@@ -66,14 +120,14 @@ def test_settings_take_turns_each_in_processes_of_its_own():
 
 @pytest.mark.timeout(120)
 def test_a_failed_setting_stops_every_process_and_names_itself():
-    fine = harness.Setting("fine", functools.partial(_harness_settings.sleeper, ms=1))
-    broken = harness.Setting("broken", _harness_settings.broken)
+    fine = harness.Setting("fine", functools.partial(sleeper, ms=1))
+    failing = harness.Setting("broken", broken)
     # Rank 0 of "broken" waits in its warm-up's collective for a rank that is gone (and may
     # fail and exit too once rank 1's sockets close); the turns end at once all the same,
     # naming the setting, the rank and the error that came first.
     cause = re.escape("setting 'broken', rank 1: RuntimeError('rank 1 cannot build this setting')")
     with pytest.raises(RuntimeError, match=f"^{cause}$"):
-        harness.turns([fine, broken], rounds=2, steps=1, warmup=1)
+        harness.turns([fine, failing], rounds=2, steps=1, warmup=1)
 
 
 @pytest.mark.timeout(120)
@@ -83,9 +137,7 @@ def test_processes_start_knowing_what_inductor_asks_each_process_once():
     # graph passes' patterns (~0.6 s of CPU of a process's first compile with a cold cache):
     # each process forked from it has them before it compiles anything. Tracing the patterns
     # started tqdm's monitor thread in the server, stopped before it forked.
-    row = harness.turns(
-        [harness.Setting("forked", _harness_settings.forked_knowing)], rounds=1, steps=1, warmup=0
-    )
+    row = harness.turns([harness.Setting("forked", forked_knowing)], rounds=1, steps=1, warmup=0)
     assert row is not None
     expected = {
         "vector ISAs known": 1,
@@ -96,10 +148,25 @@ def test_processes_start_knowing_what_inductor_asks_each_process_once():
     assert row["info"]["forked"] == [expected, expected]
 
 
+@pytest.mark.parametrize("module", [run, link, twonodes, ft], ids=lambda m: m.__name__)
+def test_every_page_takes_the_same_flags(module, capsys):
+    made = module.PAGE
+    full, smoke = page.parse(made, [], ""), page.parse(made, ["--smoke"], "")
+    assert (full.rounds, full.steps, full.warmup) == made.timing
+    assert (smoke.rounds, smoke.steps, smoke.warmup) == page.SMOKE
+    assert page.parse(made, ["--smoke", "--rounds", "3"], "").rounds == 3
+    if made.rates:  # every rate by default, the local one with --smoke; no rate it lacks
+        assert (full.rates, smoke.rates) == (list(made.rates), list(made.smoke_rates))
+        assert full.tool.name == made.tool
+        with pytest.raises(SystemExit):
+            page.parse(made, ["--rates", "3gbit"], "")
+        assert "--rates: ['3gbit']; choose from" in capsys.readouterr().err
+
+
 def test_a_ratio_is_taken_round_by_round():
     # Round 1: 90 / 100, round 2: 121 / 110; the medians' ratio (105.5 / 105) says neither.
-    spread = harness.ratio(_row(a=[100.0, 110.0], b=[90.0, 121.0]), "b", "a")
-    assert spread == pytest.approx(harness.Spread(0.9, 1.0, 1.1))
+    spread = table.ratio(_row(a=[100.0, 110.0], b=[90.0, 121.0]), "b", "a")
+    assert spread == pytest.approx(table.Spread(0.9, 1.0, 1.1))
     assert table.spread(spread) == "1.00x [0.90, 1.10]"
 
 
@@ -135,7 +202,7 @@ def test_smoke_run_writes_every_section(smoke_pages):
 
 @pytest.mark.timeout(180)
 def test_timeline_tells_when_each_setting_issued_its_buckets():
-    args = ["--smoke", "--steps", "2", "--workload", "GPT"]
+    args = ["--smoke", "--workload", "GPT"]
     command = [sys.executable, "-m", "benchmarks.timeline", *args]
     out = bounded(command, 160, " ".join(command))
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]

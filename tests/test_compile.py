@@ -14,10 +14,10 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import fsync
-from benchmarks import models
-from benchmarks.steps import overlapped_kernels
 from fsync import _tree
 from fsync._compile import FUSED_CAT_LEAVES, PackPass
+from tests import _models as models
+from tests._inductor_code import overlapped_kernels
 from tests._launch import bounded
 from tests._models import func_loss, params_of, ref_batch, ref_model
 from tests._world import World

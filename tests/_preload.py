@@ -1,8 +1,12 @@
-"""What the processes' server works out once, as it starts, so that no process it forks has to.
+"""What the processes' server imports and works out once, as it starts, so that no process
+it forks has to.
 
-Imported by the forkserver that the benchmark settings' processes and the test suite's gloo
-ranks are forked from (``harness.PRELOAD``). Two answers inductor caches per process, which
-every process's first compile otherwise computes again, with a warm cache too:
+The test suite's gloo ranks (``tests/_world.py``) and the benchmark settings' processes
+(``benchmarks/harness.py``) are forked from a server that imports this module: torch,
+dynamo's and inductor's own modules, which halve what a process's first compile costs
+(3.6 -> 1.7 s for a one-line function here), and fsync; importing them starts no thread that
+a fork could catch holding a lock. Then two answers inductor caches per process, which every
+process's first compile otherwise computes again, with a warm cache too:
 
 * which vector instruction sets this CPU and compiler can run
   (``torch._inductor.cpu_vec_isa.valid_vec_isa_list``): a small kernel per candidate, each
@@ -18,17 +22,18 @@ graph it compiles:
   ``post_grad``, once per input device);
 * ``sympy.physics.units``, which sympy's ``simplify`` imports on first use.
 
-Measured on a 2-core AMD EPYC (2026-11-28, nothing else running, three runs each), a
-one-line function's first compile in a process that had imported ``PRELOAD``'s other
-modules: 1.6-1.9 s; with both answers worked out before: 0.26-0.30 s. With an empty cache a
-small graph's first compile in a child took 0.93-1.24 s of CPU (the second 0.16-0.22 s);
-with the patterns and sympy's units loaded here as well 0.38-0.47 s (2026-11-29, six runs
-each): ~0.7 s of CPU saved by every process that compiles, of which a cold test suite forks
-dozens (its worlds' ranks, the benchmark pages' settings, 2 or 4 ranks each). None of this
-depends on the environment a child sets after the fork (its inductor cache directory: the probe's
+Measured on a 2-core AMD EPYC (2026-11-28, nothing else running, three runs each),
+a one-line function's first compile in a process that had imported the modules above:
+1.6-1.9 s; with both answers worked out before: 0.26-0.30 s. With an empty cache a small
+graph's first compile in a child took 0.93-1.24 s of CPU (the second 0.16-0.22 s); with the
+patterns and sympy's units loaded here as well 0.38-0.47 s (2026-11-29, six runs each):
+~0.7 s of CPU saved by every process that compiles, of which a cold test suite forks dozens
+(its worlds' ranks, the benchmark pages' settings, 2 or 4 ranks each). None of this depends
+on the environment a child sets after the fork (its inductor cache directory: the probe's
 kernel is built once, where the server looks). Working them out runs subprocesses to
-completion; tracing the patterns starts tqdm's monitor thread (torch.fx's interpreter opens a
-progress bar), which is stopped before the server forks, so that no fork catches a lock held.
+completion; tracing the patterns starts tqdm's monitor thread (torch.fx's interpreter opens
+a progress bar), which is stopped before the server forks, so that no fork catches a lock
+held.
 """
 
 from __future__ import annotations
@@ -36,10 +41,17 @@ from __future__ import annotations
 import importlib
 
 import torch
+import torch._dynamo
+import torch._functorch.aot_autograd
 import torch._inductor.codecache
+import torch._inductor.compile_fx
 import torch._inductor.cpu_vec_isa
 import torch._inductor.fx_passes.joint_graph
 import torch._inductor.fx_passes.post_grad
+import torch.distributed
+import torch.nn.parallel
+
+import fsync  # noqa: F401  # imported once, for every process forked
 
 torch._inductor.cpu_vec_isa.valid_vec_isa_list()
 torch._inductor.codecache.torch_key()
