@@ -38,6 +38,7 @@ tests and torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import pathlib
@@ -48,7 +49,7 @@ import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ElementTree
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -72,14 +73,14 @@ class Part(NamedTuple):
     needs_cuda: bool = True
 
 
-# The limits add up to 9 1/6 minutes. On an H100 (2026-11-27) the parts took 4.6 minutes in
+# The limits add up to 9 2/3 minutes. On an H100 (2026-11-27) the parts took 4.6 minutes in
 # all: the tests 139 s (89 of them compiling examples/train.py over NCCL), the kernels 34 s
-# (one variant then; three took 67 s on an H200), the GPT 99 s (its step compiled twice:
+# (one variant then; three took 67 s on an H200; four now), the GPT 99 s (its step compiled twice:
 # fsync's and DDP's; a third compile now).
 PARTS = (
     Part("environment", 30, needs_cuda=False),
     Part("tests", 180),
-    Part("kernels", 120),
+    Part("kernels", 150),
     Part("gpt", 220),
 )
 NO_CUDA = "no CUDA device"
@@ -204,17 +205,48 @@ def _output(command: list[str]) -> str:
 MEAN_OF = 2
 PROFILED_CALLS = 20
 BUCKET_MB = 25.0
-# Inductor options tried beside fsync.compile's own ("as shipped"). On a GPU a bucket of more
-# leaves than ``max_pointwise_cat_inputs`` (8) is packed by one copy kernel per leaf (a
-# higher limit changed nothing on an H200, 2026-11-27); combo kernels launch independent
-# kernels (the copies) as one, at most ``combo_kernel_max_num_nodes`` (8) in each.
+# The pack's candidates on CUDA, each timed beside the others (issue 51). The compiled pack
+# is one ``fsync::pack`` op per bucket; "as shipped" runs the op's own CUDA kernels (a
+# batched copy, then the scale in place), "one Triton kernel" ``benchmarks/triton_pack``'s
+# copy-and-scale in one pass. The others lower the op as fsync.compile does on the CPU, to
+# inductor's ``cat`` of scaled leaves, whose CUDA lowering made a copy kernel per leaf of a
+# bucket of more than ``max_pointwise_cat_inputs`` (8) leaves on an H100 and an H200
+# (2026-11-27); combo kernels launch such independent kernels as one, at most
+# ``combo_kernel_max_num_nodes`` (8) in each. A variant's ``options`` go to fsync.compile
+# on top of its own; a lowering changed behind inductor's back needs its caches off.
+TRITON = "one Triton kernel"
+CAT = "inductor's cat"
 COMBO = {"combo_kernels": True}
 COMBO_64 = {"combo_kernels": True, "combo_kernel_max_num_nodes": 64}
+UNCACHED = {"fx_graph_cache": False}  # the cached graph would be another variant's
 PACK_VARIANTS: dict[str, dict[str, Any]] = {
     SHIPPED: {},
-    "combo kernels": COMBO,
-    "combo kernels, 64 a kernel": COMBO_64,
+    TRITON: {},
+    CAT: UNCACHED,
+    f"{CAT}, combo kernels, 64 a kernel": {**UNCACHED, **COMBO_64},
 }
+
+
+@contextlib.contextmanager
+def _packing(variant: str) -> Iterator[None]:
+    """``fsync::pack`` as ``variant`` makes it: through Triton, or lowered to inductor's cat."""
+    from fsync import _compile
+
+    if variant == TRITON:
+        from benchmarks import triton_pack
+
+        triton_pack.install()
+        with triton_pack.using():
+            yield
+    elif variant.startswith(CAT):
+        lowered = (_compile.FUSED_CAT_DEVICES, _compile.FUSED_CAT_LEAVES)
+        _compile.FUSED_CAT_DEVICES, _compile.FUSED_CAT_LEAVES = ("cpu", "cuda"), 1 << 30
+        try:
+            yield
+        finally:
+            _compile.FUSED_CAT_DEVICES, _compile.FUSED_CAT_LEAVES = lowered
+    else:
+        yield
 
 
 def classify(name: str, activity: str | None) -> str | None:
@@ -285,7 +317,8 @@ def part_kernels(save: Save) -> None:
             for variant in _known(PACK_VARIANTS):
                 torch._dynamo.reset()  # each tree compiles as in a fresh process
                 try:
-                    rows.append(_kernels_of(work, dtype, torch.device("cuda", 0), variant))
+                    with _packing(variant):
+                        rows.append(_kernels_of(work, dtype, torch.device("cuda", 0), variant))
                 except Exception:
                     name = str(dtype).removeprefix("torch.")  # as _kernels_of's rows say it
                     error = traceback.format_exc()
@@ -310,7 +343,8 @@ def _kernels_of(work: Any, dtype: Any, device: Any, variant: str = SHIPPED) -> d
     and the mean's ``1/world_size``, which ``fsync.compile`` folds into the pack);
     unpack is what it does after (``fsync.unpack`` of the reduced buckets). The
     collective itself is left out: it is the wire's, not fsync's. ``variant`` names the
-    inductor options (``PACK_VARIANTS``) given to ``fsync.compile`` on top of its own.
+    inductor options (``PACK_VARIANTS``) given to ``fsync.compile`` on top of its own;
+    the caller sets up the rest of it (``_packing``).
     """
     import torch
 

@@ -57,6 +57,9 @@ CACHE_OPTIONS: dict[str, Any] = {
 # C++ backend turns into one loop fused with the scale; beyond it the generated kernel, and
 # its compile time, grow with every leaf, and the pack stays one opaque op.
 FUSED_CAT_LEAVES = 32
+# The devices whose inductor backend makes a cat of many inputs one kernel (on CUDA a cat of
+# more than ``max_pointwise_cat_inputs``, 8, inputs is a kernel per input).
+FUSED_CAT_DEVICES: tuple[str, ...] = ("cpu",)
 
 
 class PackPass:
@@ -148,7 +151,7 @@ def lower_pack(graph: torch.fx.Graph, pack: torch.fx.Node) -> None:
     """
     parts, after, dtype, factor = _args_of(pack)
     value = pack.meta["val"]
-    if value.device.type != "cpu" or len(parts) > FUSED_CAT_LEAVES:
+    if value.device.type not in FUSED_CAT_DEVICES or len(parts) > FUSED_CAT_LEAVES:
         return
     aten, prims = torch.ops.aten, torch.ops.prims
     with graph.inserting_before(pack):

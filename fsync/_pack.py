@@ -170,6 +170,12 @@ def pack_op(
     the CPU, whose backend fuses any ``cat`` into one loop, fsync.compile lowers it back
     into one (``_compile.lower_pack``).
     """
+    return pack_parts(parts, dtype, factor)
+
+
+def pack_parts(parts: Sequence[torch.Tensor], dtype: torch.dtype, factor: float) -> torch.Tensor:
+    """``fsync::pack``'s kernel on any device: a batched copy (``torch.cat``), the cast, the
+    scale in place."""
     flattened = [part.reshape(-1) for part in parts]
     buffer = flattened[0].clone() if len(flattened) == 1 else torch.cat(flattened)
     if buffer.dtype != dtype:
