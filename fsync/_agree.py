@@ -51,7 +51,7 @@ from typing import Any, NamedTuple, TypeVar
 import optree
 import torch
 
-from fsync import _checks, _comm, _tree
+from fsync import _checks, _comm, _failures, _tree
 from fsync._differences import FIX, describe, first_difference
 from fsync._plan import PLAN_CACHE_SIZE, BucketPlan
 from fsync._trace import python_at_trace_time
@@ -226,7 +226,7 @@ def conclude(
     """
     try:
         return _concluded(pending, control, used, group, description, find_unused)
-    except _comm.CollectiveError as failure:
+    except _failures.CollectiveError as failure:
         raise _comm.named(failure, group, start, stage=AGREEMENT, step=step) from failure
 
 
@@ -292,12 +292,16 @@ def _found(everyone: list[tuple[list[int], str]]) -> Exception:
     """
     finders = [(r, _finding(d)) for r, (c, d) in enumerate(everyone) if c[_FOUND]]
     if all(found is None for _, found in finders):  # states made for another plan
-        return ValueError(_OTHER_STATE.format(who=_comm.ranks_in_words([r for r, _ in finders])))
+        return ValueError(
+            _OTHER_STATE.format(who=_failures.ranks_in_words([r for r, _ in finders]))
+        )
     kinds = {"ValueError" if found is None else found[0] for _, found in finders}
     details = "; ".join(
         f"rank {r}: {_OTHER_STATE_HERE if found is None else found[1]}" for r, found in finders
     )
-    message = _REFUSED.format(who=_comm.ranks_in_words([r for r, _ in finders]), details=details)
+    message = _REFUSED.format(
+        who=_failures.ranks_in_words([r for r, _ in finders]), details=details
+    )
     kind = kinds.pop() if len(kinds) == 1 else "ValueError"
     return {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(message)
 
@@ -390,8 +394,8 @@ def _check_fully_used(
     position = int(partial[0])
     has = _comm.all_gather_object(bool(used[position]), group, used.device)
     paths = [path for path, leaf in json.loads(description)["plan"]["leaves"] if leaf != "None"]
-    have = _comm.ranks_in_words([r for r, h in enumerate(has) if h])
-    lack = _comm.ranks_in_words([r for r, h in enumerate(has) if not h])
+    have = _failures.ranks_in_words([r for r, h in enumerate(has) if h])
+    lack = _failures.ranks_in_words([r for r, h in enumerate(has) if not h])
     raise ValueError(_PARTLY_UNUSED.format(path=paths[position], have=have, lack=lack))
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fsync import _checks, _comm
+from fsync import _checks, _comm, _failures
 from fsync._agree import refuse
 from fsync._hook import Hook, SyncContext
 from fsync._plan import BucketPlan
@@ -126,12 +126,12 @@ def start_bucket(buffer: torch.Tensor, hook: Hook, state: Any, ctx: SyncContext)
         return start_hook([buffer], hook, state, ctx)[0][0]
     try:
         out, _ = start_hook([buffer], hook, state, ctx)
-    except _comm.CollectiveError as failure:
+    except _failures.CollectiveError as failure:
         if failure.stage:
             raise
         stage = bucket_stage(ctx, 0, "the hook's collectives")
-        raise _comm.CollectiveError(
-            _comm.COLLECTIVE_FAILED, stage=stage, backend=failure.backend
+        raise _failures.CollectiveError(
+            _failures.COLLECTIVE_FAILED, stage=stage, backend=failure.backend
         ) from failure
     return out[0]
 

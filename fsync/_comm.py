@@ -15,8 +15,8 @@ mesh's); ``ALONE`` is this rank by itself (the update group of a step that split
 nothing). With one rank no collective is issued.
 
 Owns: every call into ``torch.distributed`` (DCP's too, for ``fsync.checkpoint``:
-``checkpointing``) and the differences between torch releases. May import: torch and
-``_trace`` (layer 1, above ``_trace`` alone).
+``checkpointing``) and the differences between torch releases. May import: torch,
+``_trace``, ``_recorder`` and ``_failures`` (layer 1, above those alone).
 """
 
 from __future__ import annotations
@@ -39,6 +39,14 @@ from torch.distributed.distributed_c10d import (  # type: ignore[attr-defined]
 )
 
 from fsync import _trace
+from fsync._failures import (
+    CAUSES,
+    COLLECTIVE_FAILED,
+    REPORT_PATIENCE_S,
+    CollectiveError,
+    ranks_in_words,
+)
+from fsync._recorder import Recorder
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
@@ -48,74 +56,6 @@ _T = TypeVar("_T")
 # *_single names; older releases only have the former.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-
-
-class Collective(NamedTuple):
-    """One collective as a recorder saw it: what this rank put on the wire.
-
-    ``control`` marks fsync's own small collectives (the ranks' agreement), as
-    opposed to those that move the buckets.
-    """
-
-    op: str
-    dtype: torch.dtype
-    numel: int
-    control: bool = False
-    dim: int | None = None
-    """The mesh dim the collective ran over (0 across nodes, 1 within a node); ``None``
-    for a whole group."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-
-class Recorder:
-    """A stand-in group whose collectives are recorded instead of issued.
-
-    Pass it wherever a group goes: every fsync collective over it appends a
-    ``Collective`` to ``calls`` and returns a tensor of the right
-    shape (the input's values, repeated for an all-gather, this rank's chunk
-    for a reduce-scatter), as if on ``world_size`` ranks, so a sync runs to the
-    end without a process group. For diagnostics ([fsync.sync_stats][]), never
-    training.
-
-    Attributes:
-        world_size: The number of ranks the recorded collectives are sized for.
-        rank: The rank this process plays.
-        calls: The collectives issued so far, in order.
-        shape: ``(nodes, local)`` when the recorder stands in for a 2-D mesh (see
-            ``hierarchy``), else ``()``.
-        dim: The mesh dim this recorder stands for (one of a 2-D recorder's
-            ``hierarchy``), else ``None``.
-    """
-
-    def __init__(
-        self,
-        world_size: int,
-        rank: int = 0,
-        *,
-        shape: tuple[int, ...] = (),
-        dim: int | None = None,
-        calls: list[Collective] | None = None,
-    ) -> None:
-        self.world_size = world_size
-        self.rank = rank
-        self.shape = shape
-        self.dim = dim
-        self.calls: list[Collective] = [] if calls is None else calls
-
-    def record(self, op: str, x: torch.Tensor, *, control: bool = False) -> None:
-        """Appends one collective of ``op`` on ``x`` to ``calls``."""
-        self.calls.append(Collective(op, x.dtype, x.numel(), control, self.dim))
-
-    def along(self, dim: int) -> Recorder:
-        """The recorder of one dim of a 2-D recorder: it appends to the same ``calls``."""
-        return Recorder(self.shape[dim], 0, dim=dim, calls=self.calls)
-
-    def __repr__(self) -> str:
-        shape = f", shape={self.shape}" if self.shape else ""
-        return f"Recorder(world_size={self.world_size}, rank={self.rank}{shape})"
 
 
 class ReplicaGroup:
@@ -695,42 +635,6 @@ def _wait_work(work: Any, stage: str | Callable[[], str] = "") -> Any:
         raise CollectiveError(COLLECTIVE_FAILED, stage=where, backend=str(error)) from error
 
 
-_CAUSES = (
-    "A rank may have died, stopped calling the sync (uneven data: pass active=False on ranks "
-    "that ran out), or called a different collective; a hung peer is reported after the "
-    "process group's timeout (init_process_group(timeout=...))."
-)
-COLLECTIVE_FAILED = f"an fsync collective failed. {_CAUSES}"
-
-# How long a rank that saw a collective fail waits for the other ranks' reports in the
-# group's store: they see the failure within about a step of each other (a dead peer at
-# once, a hung one after each rank's own timeout, counted from its own wait).
-REPORT_PATIENCE_S = 5.0
-
-
-class CollectiveError(RuntimeError):
-    """A collective of fsync's failed or timed out; ``named`` says where and who was missing.
-
-    Attributes:
-        stage: Which part of the sync waited (``"the ranks' agreement"``, ``"bucket 3 of
-            8"`` ...), ``""`` where the wait did not say.
-        backend: The backend's own message.
-        reports: Once named, each reporting rank's record (``None``: the store was out of
-            reach), else ``None``.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        stage: str = "",
-        backend: str = "",
-        reports: dict[int, dict[str, Any]] | None = None,
-    ) -> None:
-        super().__init__(f"{message} Backend error: {backend}" if backend else message)
-        self.stage, self.backend, self.reports = stage, backend, reports
-
-
 def sequence_number(group: Group) -> int:
     """How many collectives this rank has issued on ``group`` (c10d's count); -1 if unknown."""
     if isinstance(group, Recorder | ReplicaGroup) or size(group) == 1:
@@ -769,7 +673,7 @@ def named(
         if steps is not None
         else f"the sync begun at c10d collective #{start} of its group"
     )
-    message = f"an fsync collective failed at {stage}, in {sync}: {_who(reports, group)} {_CAUSES}"
+    message = f"an fsync collective failed at {stage}, in {sync}: {_who(reports, group)} {CAUSES}"
     cause = failure.backend or str(failure)
     return CollectiveError(message, stage=stage, backend=cause, reports=reports or {})
 
@@ -811,11 +715,6 @@ def _who(reports: dict[int, dict[str, Any]] | None, group: Group) -> str:
         f"{ranks_in_words(missing)} did not arrive (dead, hung, or not calling this sync: nothing "
         f"reported within {REPORT_PATIENCE_S:g} s); {seen}."
     )
-
-
-def ranks_in_words(ranks: Sequence[int]) -> str:
-    """``"rank 1"``, ``"ranks 0, 2"``."""
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def _reports(group: Group, start: int, record: dict[str, Any]) -> dict[int, dict[str, Any]] | None:

@@ -16,12 +16,12 @@ from typing import Any, NamedTuple
 import torch
 from typing_extensions import Unpack
 
-from fsync import _comm
-from fsync._comm import Collective
+from fsync import _recorder
 from fsync._hierarchy import shard_plan
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan, MiB, count
 from fsync._planner import plan_tree
+from fsync._recorder import Collective
 from fsync._reduce import SyncCall, init_hook, local_size, reduce, reduce_add, reduce_finish
 
 
@@ -191,7 +191,7 @@ def sync_stats(
         for spec in plan.leaves
     ]
     size = shape[0] * shape[-1] if len(shape) == 2 else shape[0]
-    recorder = _comm.Recorder(size, shape=shape if len(shape) == 2 else ())
+    recorder = _recorder.Recorder(size, shape=shape if len(shape) == 2 else ())
     hook_state = init_hook(sync_options, plan, recorder) if state is None else state
     call = SyncCall(sync_options, recorder, hook_state)
     with torch.no_grad():

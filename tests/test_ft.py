@@ -28,7 +28,7 @@ pytest.importorskip(
 
 import fsync
 import fsync.ft
-from fsync import _comm
+from fsync import _comm, _failures
 from fsync.ft import _heal, _torchft
 from tests import _replicas
 from tests.conftest import get_world
@@ -423,7 +423,7 @@ class _Done:
 def _step(state, fail):
     new = {"w": state["w"] + 1}
     if fail:
-        raise _comm.CollectiveError("a peer died", stage="bucket 1 of 2")
+        raise _failures.CollectiveError("a peer died", stage="bucket 1 of 2")
     return new, "loss"
 
 
@@ -436,7 +436,9 @@ def test_a_failed_collective_discards_the_step_and_is_reported():
     assert outcome.committed and outcome.step == 1 and outcome.value == "loss"
     kept, outcome = step(new, True)
     assert kept is new and not outcome.committed and outcome.value is None
-    assert outcome.error == "a peer died" and isinstance(manager.errors[0], _comm.CollectiveError)
+    assert outcome.error == "a peer died" and isinstance(
+        manager.errors[0], _failures.CollectiveError
+    )
     assert torch.equal(new["w"], torch.ones(2)) and torch.equal(state["w"], torch.zeros(2))
 
 
@@ -570,7 +572,7 @@ def test_the_replicas_buckets_are_on_the_wire_together_and_a_failure_names_its_b
     failing = _InFlight(fail_at=2)
     group = fsync.ft.ManagerGroup(failing)
     group.live = True
-    with pytest.raises(_comm.CollectiveError, match=r"bucket 2 of \d") as failure:
+    with pytest.raises(_failures.CollectiveError, match=r"bucket 2 of \d") as failure:
         fsync.sync_grads(grads, group=group, **small)
     assert "Connection closed by peer" in str(failure.value)
     # Bucket 3 was issued behind it and never waited for: c10d holds its work until the
@@ -747,7 +749,7 @@ def _on_rank_a_crossing_failed_on_one_rank(entry):
     else:
         zero = fsync.ops.zero(fsync.optim.sgd(0.1), group=mesh, **small)
         call, args = zero.value_and_step(loss), (zero.init(params), params)
-    with pytest.raises(_comm.CollectiveError) as failure:
+    with pytest.raises(_failures.CollectiveError) as failure:
         call(*args)
     # Both ranks still meet over their group: neither waits in a collective within that the
     # other left.

@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
-from fsync import _comm
-from fsync._comm import Collective
+from fsync import _recorder
+from fsync._recorder import Collective
 from tests._models import func_loss, params_of, ref_batch, ref_loss, ref_model
 from tests._numerics import assert_same_as_ddp, gathered
 from tests._world import World
@@ -248,7 +248,7 @@ def test_reduce_dtype(world: World):
 
 def _steps_recorded(params, grads, **options):
     """The collectives of two GradSync steps after init, recorded as if on two ranks."""
-    recorder = _comm.Recorder(2)
+    recorder = _recorder.Recorder(2)
     sync = fsync.GradSync(group=recorder, **options)
     steps = []
     calls = recorder.calls

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
 from fsync import _comm, _tree
-from fsync._comm import REPORT_PATIENCE_S
+from fsync._failures import REPORT_PATIENCE_S
 from fsync._pack import shard_numel
 from tests._models import (
     Backwards,

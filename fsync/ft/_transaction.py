@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsync import _comm
+from fsync import _comm, _failures
 from fsync.ft import _heal, _torchft
 
 _ASYNC_QUORUM = (
@@ -214,7 +214,7 @@ class Replica:
         group's timeout at most); the Manager is shut down either way.
         """
         if isinstance(self.group, _torchft.ReplicaMesh):  # a rank gone has no answer to wait for
-            with contextlib.suppress(_comm.CollectiveError):
+            with contextlib.suppress(_failures.CollectiveError):
                 _torchft.meet_within(
                     self.group.within, "the replica group's ranks meeting to close"
                 )
@@ -230,11 +230,11 @@ def _transact(
     exchange.committed = state  # served to a peer that heals in this quorum
     replicas.begin()
     state, healed = exchange.begin(state)
-    error: _comm.CollectiveError | None = None
+    error: _failures.CollectiveError | None = None
     try:
         result = fn(state, *args, **kwargs)
         replicas.meet_if_silent()
-    except _comm.CollectiveError as failure:
+    except _failures.CollectiveError as failure:
         manager.report_error(failure)
         result, error = (state, None), failure
     finally:
