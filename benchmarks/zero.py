@@ -88,12 +88,12 @@ def _state_mib(tree: Any) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / 2**20
 
 
-def torch_zero(load: Load, overlap: str | None) -> Built:
+def torch_zero(load: Load, overlap: str | None, cap_mb: float = CAP_MB) -> Built:
     """``ZeroRedundancyOptimizer(AdamW)`` on DDP's parameters, stepped after backward, or
     (``overlap``: a hook of ``ddp_zero_hook``) from DDP's buckets as their all-reduce ends."""
     work = load.build()
     batch = work.batch(dist.get_rank())
-    ddp = DDP(work.model, bucket_cap_mb=CAP_MB)
+    ddp = DDP(work.model, bucket_cap_mb=cap_mb)
     zero = ZeroRedundancyOptimizer(
         ddp.parameters(),
         optimizer_class=torch.optim.AdamW,
@@ -114,13 +114,14 @@ def torch_zero(load: Load, overlap: str | None) -> Built:
     return Built(step, lambda: {"state MiB": _state_mib(zero.optim.state_dict()["state"])})
 
 
-def fsync_zero(load: Load, how: str) -> Built:
+def fsync_zero(load: Load, how: str, cap_mb: float = CAP_MB) -> Built:
     """``fsync.ops.zero(fsync.optim.adamw(LR))``: ``how`` is ``"eager"``, ``"whole"``
     (``shard_buckets=False``), ``"compiled"``, ``"value_and_step"`` or ``"value_and_step
     compiled"``; compiled is ``fsync.compile`` of the whole train step."""
     work = load.build()
     batch = work.batch(dist.get_rank())
-    step = fsync.ops.zero(fsync.optim.adamw(LR), shard_buckets=how != "whole", bucket_cap_mb=CAP_MB)
+    sharded = how != "whole"
+    step = fsync.ops.zero(fsync.optim.adamw(LR), shard_buckets=sharded, bucket_cap_mb=cap_mb)
     params = work.params()
     if how.startswith("value_and_step"):
         call = step.value_and_step(work.functional_loss)
@@ -140,7 +141,7 @@ def fsync_zero(load: Load, how: str) -> Built:
     return Built(run, lambda: {"state MiB": _state_mib(run.state.opt)})
 
 
-def functional_floor(load: Load, compiled: bool) -> Callable[[], None]:
+def functional_floor(load: Load, compiled: bool, cap_mb: float = CAP_MB) -> Callable[[], None]:
     """What an fsync ZeRO step computes, with no communication: ``torch.func.grad``, then
     per bucket of fsync's plan (4 MiB) the gradients and parameters packed flat
     (``fsync.pack``) and AdamW on this rank's 1/world of them, as the step does. (One
@@ -151,7 +152,7 @@ def functional_floor(load: Load, compiled: bool) -> Callable[[], None]:
     rank, world = dist.get_rank(), dist.get_world_size()
     optimizer = fsync.optim.adamw(LR)
     params = work.params()
-    plan = fsync.plan_buckets(params, bucket_cap_mb=CAP_MB)
+    plan = fsync.plan_buckets(params, bucket_cap_mb=cap_mb)
 
     def shard(tree: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         return [bucket.chunk(world)[rank] for bucket in fsync.pack(tree, plan)]
@@ -181,11 +182,11 @@ def module_floor(load: Load) -> Callable[[], None]:
     return step
 
 
-def collectives(load: Load) -> Callable[[], None]:
+def collectives(load: Load, cap_mb: float = CAP_MB) -> Callable[[], None]:
     """The fsync collectives of a ZeRO step alone: per bucket of fsync's plan (4 MiB), a
     reduce-scatter of the bucket, then an all-gather of the shards, on buffers made once."""
     world = dist.get_world_size()
-    plan = fsync.plan_buckets(load.build().params(), bucket_cap_mb=CAP_MB)
+    plan = fsync.plan_buckets(load.build().params(), bucket_cap_mb=cap_mb)
     buckets = [torch.zeros(-(-spec.numel // world) * world) for spec in plan.specs]
     shards = [torch.zeros(b.numel() // world) for b in buckets]
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -200,18 +201,21 @@ def collectives(load: Load) -> Callable[[], None]:
     return step
 
 
-def settings(load: Load) -> list[Setting]:
-    """The settings of one row: the steps, then their floors."""
-    out = [setting(REFERENCE, torch_zero, load=load, overlap=None)]
+def settings(load: Load, cap_mb: float = CAP_MB) -> list[Setting]:
+    """The settings of one row, every bucket ``cap_mb``: the steps, then their floors."""
+    out = [setting(REFERENCE, torch_zero, load=load, overlap=None, cap_mb=cap_mb)]
     out += [
-        setting(name, torch_zero, load=load, overlap=hook) for name, hook in TORCH_OVERLAP.items()
+        setting(name, torch_zero, load=load, overlap=hook, cap_mb=cap_mb)
+        for name, hook in TORCH_OVERLAP.items()
     ]
-    out += [setting(name, fsync_zero, load=load, how=how) for name, how in FSYNC.items()]
+    out += [
+        setting(name, fsync_zero, load=load, how=how, cap_mb=cap_mb) for name, how in FSYNC.items()
+    ]
     floors = [
         setting(MODULE_FLOOR, module_floor, load=load),
-        setting(FUNCTIONAL_FLOOR, functional_floor, load=load, compiled=False),
-        setting(COMPILED_FLOOR, functional_floor, load=load, compiled=True),
-        setting(RSAG, collectives, load=load),
+        setting(FUNCTIONAL_FLOOR, functional_floor, load=load, compiled=False, cap_mb=cap_mb),
+        setting(COMPILED_FLOOR, functional_floor, load=load, compiled=True, cap_mb=cap_mb),
+        setting(RSAG, collectives, load=load, cap_mb=cap_mb),
     ]
     return out + floors
 
@@ -303,12 +307,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rate", choices=RATES, default=RATES[0], help="the rate the loopback is shaped to"
     )
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=CAP_MB,
+        help=f"every setting's bucket size, fsync's and DDP's (default {CAP_MB:g}; DDP's own: 25)",
+    )
     page.turn_flags(parser, TIMING)
     args = page.settle(parser.parse_args(argv), TIMING)
     rows: dict[str, Row] = {}
     for load in loads(args.rate, args.smoke):
         row = harness.turns(
-            settings(load), rounds=args.rounds, steps=args.steps, warmup=args.warmup
+            settings(load, args.bucket_mb), rounds=args.rounds, steps=args.steps, warmup=args.warmup
         )
         assert row is not None  # one node: this process coordinates
         rows[str(load)] = row
