@@ -1,9 +1,9 @@
 """Flat bucket buffers from a tree's leaves and back, following a [BucketPlan][fsync.BucketPlan].
 
 Like ``optree``'s ``tree_ravel``: a flat tensor per bucket plus the plan to go
-back, and a loud check both ways. Under ``torch.compile`` the concatenation of
-a bucket (with any cast or scale around it) becomes one fused kernel and the
-unpacked leaves are views of the buffer.
+back, and a loud check both ways. Under ``torch.compile`` a bucket is one
+``fsync::pack`` op (with the mean's scale, once [fsync.compile][] folds it in) and
+the unpacked leaves are views of the buffer.
 
 Owns: moving leaves into flat buffers and back, and cutting buffers into shards.
 May import: ``_tree``, ``_plan``, ``_checks``, ``_planner`` (layers 1 to 4).
@@ -95,11 +95,7 @@ def pack_grads(grads: Sequence[torch.Tensor | None], spec: BucketSpec) -> torch.
     strided = torch.strided
     if _permuted(spec) or any(g is None or g.layout is not strided for g in grads):
         parts = [_dense(g, spec, j) for j, g in enumerate(grads)]
-    if len(parts) == 1:  # flatten_dense_tensors would return a view of it
-        buffer = parts[0].reshape(-1).clone()
-    else:
-        buffer = torch._C._nn.flatten_dense_tensors(cast(list[torch.Tensor], parts))
-    return buffer if buffer.dtype == spec.dtype else buffer.to(spec.dtype)
+    return pack_parts(parts, spec.dtype, 1.0)
 
 
 def _permuted(spec: BucketSpec) -> bool:
@@ -174,10 +170,13 @@ def pack_op(
 
 
 def pack_parts(parts: Sequence[torch.Tensor], dtype: torch.dtype, factor: float) -> torch.Tensor:
-    """``fsync::pack``'s kernel on any device: a batched copy (``torch.cat``), the cast, the
-    scale in place."""
-    flattened = [part.reshape(-1) for part in parts]
-    buffer = flattened[0].clone() if len(flattened) == 1 else torch.cat(flattened)
+    """A new buffer of dense parts, each in its memory order: one batched copy
+    (``flatten_dense_tensors``, C++), the cast, the scale in place. The eager pack's, and
+    ``fsync::pack``'s kernel on any device."""
+    if len(parts) == 1:  # flatten_dense_tensors would return a view of it
+        buffer = parts[0].reshape(-1).clone()
+    else:
+        buffer = torch._C._nn.flatten_dense_tensors(list(parts))
     if buffer.dtype != dtype:
         buffer = buffer.to(dtype)
     return buffer.mul_(factor) if factor != 1.0 else buffer
