@@ -247,6 +247,21 @@ def check_leaf_fits(spec: LeafSpec | None, meta: TensorMeta, what: str) -> None:
         raise mismatch(what, f"leaf {spec.path!r} should be {kind}")
 
 
+def leaf_difference(got: Any, want: Any) -> tuple[str, str] | None:
+    """``(got, want)`` in words (``"torch.float32[2, 3]"``, ``"None"``) where two leaves (tensors
+    or ``None``) differ in presence, shape or dtype; ``None`` where they are alike."""
+    if got is None or want is None:
+        if got is None and want is None:
+            return None
+    elif got.shape == want.shape and got.dtype == want.dtype:
+        return None
+
+    def words(x: Any) -> str:
+        return "None" if x is None else f"{x.dtype}{list(x.shape)}"
+
+    return words(got), words(want)
+
+
 def check_floating(name: str, plan: BucketPlan, specs: Sequence[BucketSpec]) -> None:
     """Raises ``TypeError`` naming the first bucket of ``specs`` that is not floating point."""
     for b, spec in enumerate(specs):

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 from typing_extensions import Unpack
 
-from fsync import _comm, _tree
+from fsync import _checks, _comm, _tree
 from fsync._options import OptionKeywords
 from fsync._state import register_state
 from fsync._sync import GradSync, SyncState
@@ -289,11 +289,9 @@ def _check_update(params: Any, state: DiLoCoState) -> None:
             f"{anchor_spec}; pass the parameters the state was made for (init(params))."
         )
     for path, p, a in zip(treespec.paths(), leaves, anchors, strict=True):
-        if (p is None) != (a is None) or (
-            p is not None and (p.shape != a.shape or p.dtype != a.dtype)
-        ):
-            got = "None" if p is None else f"{p.dtype}{list(p.shape)}"
-            want = "None" if a is None else f"{a.dtype}{list(a.shape)}"
+        differ = _checks.leaf_difference(p, a)
+        if differ is not None:
+            got, want = differ
             raise ValueError(
                 f"diloco.update: params leaf {_tree.path_str(path)!r} is {got}; expected the "
                 f"anchor's {want}. Pass the parameters the state was made for."

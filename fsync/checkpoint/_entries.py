@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsync import _comm, _tree
+from fsync import _checks, _comm, _tree
 from fsync.checkpoint._describe import Optim
 
 
@@ -55,11 +55,9 @@ def check_like(tree: Named, like: Any, what: str) -> None:
             "the parameter tree the state was made for."
         )
     for path, x, y in zip(tree.paths, tree.leaves, leaves, strict=True):
-        if (x is None) != (y is None) or (
-            x is not None and (x.shape != y.shape or x.dtype != y.dtype)
-        ):
-            got = "None" if x is None else f"{x.dtype}{list(x.shape)}"
-            want = "None" if y is None else f"{y.dtype}{list(y.shape)}"
+        differ = _checks.leaf_difference(x, y)
+        if differ is not None:
+            got, want = differ
             raise ValueError(
                 f"params leaf {path!r} is {got}; {what} was made for {want}. Pass the parameter "
                 "tree the state was made for."
