@@ -20,13 +20,23 @@ Per dense bucket and step, once ``step >= start_step``:
 
 Before ``start_step`` the buckets are all-reduced plainly. The switch reads a
 tensor counter through ``torch.cond``, so a compiled step traces once.
+
+This module is the hook: its state, its settings and their checks, and ``init`` /
+``apply``, which compose what the modules beside it do: ``_powersgd_layout`` (which
+elements are compressed, as which matrices), ``_powersgd_bucket`` (one bucket's power
+iteration and error feedback) and ``_powersgd_random`` (the random Q).
+
+Owns: [fsync.ops.powersgd][], [fsync.ops.batched_powersgd][] and
+[fsync.ops.PowerSGDState][] (pickled under this module's name: checkpoints saved with
+``torch.save`` name it so). May import: ``_comm``, ``_checks``, ``_hook``, ``_plan``,
+``_state`` and the ``_powersgd_*`` modules.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import NamedTuple, TypeVar
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -35,8 +45,9 @@ from fsync._checks import check_floating
 from fsync._hook import Buckets, Hook, SyncContext, spec_of
 from fsync._plan import BucketPlan, BucketSpec
 from fsync._state import register_state
-
-_MASK32 = 0xFFFFFFFF
+from fsync.ops._powersgd_bucket import compress
+from fsync.ops._powersgd_layout import Layout, LayoutFn, batched_layout, per_leaf_layout
+from fsync.ops._powersgd_random import gaussian, key
 
 
 @register_state
@@ -62,208 +73,7 @@ class PowerSGDState(NamedTuple):
     fingerprint: torch.Tensor
 
 
-class _Segment(NamedTuple):
-    """One leaf's elements in the bucket, and where they go: the compressed or the rest."""
-
-    offset: int
-    numel: int
-    compressed: bool
-    position: int
-    """Offset among the compressed elements (see ``_Layout``) or among the rest."""
-
-
-class _Group(NamedTuple):
-    """``batch`` matrices of ``rows`` x ``cols``, compressed at ``rank``, one after another."""
-
-    batch: int
-    rows: int
-    cols: int
-    rank: int
-
-
-class _Layout(NamedTuple):
-    """How one bucket is compressed: a static function of the plan and the settings.
-
-    The compressed elements are the compressed segments gathered by matrix
-    shape (as DDP batches them), then ``padding`` zeros: each group is one
-    contiguous block, read as a batch of matrices and multiplied in one call.
-    P, Q and the error feedback follow the same order. The other segments are
-    averaged as they are.
-    """
-
-    segments: tuple[_Segment, ...]
-    groups: tuple[_Group, ...]
-    padding: int = 0
-
-    @property
-    def compressed_numel(self) -> int:
-        return sum(g.batch * g.rows * g.cols for g in self.groups)
-
-    @property
-    def p_numel(self) -> int:
-        return sum(g.batch * g.rows * g.rank for g in self.groups)
-
-    @property
-    def q_numel(self) -> int:
-        return sum(g.batch * g.cols * g.rank for g in self.groups)
-
-    def split(self, bucket: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bucket's compressed elements (in compression order) and the rest."""
-        compressed = sorted((s for s in self.segments if s.compressed), key=lambda s: s.position)
-        rest = [bucket[s.offset : s.offset + s.numel] for s in self.segments if not s.compressed]
-        x = torch.cat(
-            [bucket[s.offset : s.offset + s.numel] for s in compressed]
-            + [bucket.new_zeros(self.padding)]
-        )
-        return x, torch.cat(rest) if rest else bucket.new_zeros(0)
-
-    def join(self, compressed: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
-        """Inverse of ``split``: the bucket from its two parts."""
-        return torch.cat(
-            [
-                (compressed if s.compressed else rest)[s.position : s.position + s.numel]
-                for s in self.segments
-            ]
-        )
-
-
-LayoutFn = Callable[[BucketPlan, BucketSpec], _Layout]
 Carry = tuple[torch.Tensor, ...]
-
-
-def _worth_compressing(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
-    """DDP's test: (rows + cols) * rank * min_compression_rate < rows * cols."""
-    return rows * cols > 0 and (rows + cols) * rank * min_compression_rate < rows * cols
-
-
-def _per_leaf_layout(
-    plan: BucketPlan, spec: BucketSpec, rank: int, min_compression_rate: float
-) -> _Layout:
-    shapes: dict[tuple[int, int, int], list[int]] = {}  # first-seen order, as DDP's
-    compressed: list[bool] = []
-    for k, (i, numel) in enumerate(zip(spec.leaves, spec.sizes, strict=True)):
-        leaf = plan.leaves[i]
-        assert leaf is not None
-        # A leaf's elements sit in its memory order, so its matrix is its outermost
-        # dimension in memory by the rest: DDP's view(shape[0], -1) for a contiguous
-        # leaf, out-channels by the rest for a channels_last convolution too.
-        rows = leaf.shape[leaf.perm[0]] if leaf.shape else 1
-        cols = numel // rows if rows else 0
-        r = min(rows, cols, rank)
-        compressed.append(_worth_compressing(rows, cols, r, min_compression_rate))
-        if compressed[-1]:
-            shapes.setdefault((rows, cols, r), []).append(k)
-    position = {}
-    start = 0
-    for (rows, cols, _), members in shapes.items():
-        for k in members:
-            position[k] = start
-            start += rows * cols
-    segments, rest = [], 0
-    for k, (offset, numel) in enumerate(zip(spec.offsets, spec.sizes, strict=True)):
-        if compressed[k]:
-            segments.append(_Segment(offset, numel, True, position[k]))
-        else:
-            segments.append(_Segment(offset, numel, False, rest))
-            rest += numel
-    groups = tuple(_Group(len(members), *shape) for shape, members in shapes.items())
-    return _Layout(tuple(segments), groups)
-
-
-def _batched_layout(
-    plan: BucketPlan, spec: BucketSpec, rank: int, min_compression_rate: float
-) -> _Layout:
-    side = math.isqrt(spec.numel - 1) + 1 if spec.numel else 0  # ceil(sqrt(numel))
-    r = min(side, rank)
-    if spec.numel == 0 or not 2 * side * r * min_compression_rate < spec.numel:
-        return _Layout((_Segment(0, spec.numel, False, 0),), ())
-    return _Layout(
-        (_Segment(0, spec.numel, True, 0),), (_Group(1, side, side, r),), side * side - spec.numel
-    )
-
-
-# --- randomness -------------------------------------------------------------------------------
-
-_Int = TypeVar("_Int", int, torch.Tensor)  # a Python int or an int64 tensor of values < 2**32
-
-
-def _mul32(x: _Int, c: int) -> _Int:
-    """``x * c`` modulo 2**32 for ``0 <= x, c < 2**32``, without leaving int64's range."""
-    low = x * (c & 0xFFFF)
-    high = ((x * (c >> 16)) & 0xFFFF) << 16
-    return (low + high) & _MASK32
-
-
-def _mix32(x: _Int) -> _Int:
-    """A 32-bit integer hash (Wellons' lowbias32): every input bit flips about half the output."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _key(seed: int, bucket: int, step: torch.Tensor) -> torch.Tensor:
-    """The random stream of one bucket at one step, as a 0-d int64 tensor."""
-    seed %= 2**64
-    base = _mix32(_mix32(_mix32(seed & _MASK32) ^ (seed >> 32)) ^ bucket)
-    return _mix32((step & _MASK32) ^ base)
-
-
-def _gaussian(
-    numel: int, key: torch.Tensor, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """``numel`` standard normal values, a pure function of ``key`` (Box-Muller over a hash).
-
-    A counter-based draw rather than a ``torch.Generator``: the values depend on
-    nothing but the key, so every rank draws the same ones, and the draw traces
-    under ``torch.compile`` with the key coming from the tensor step counter.
-    """
-    pairs = (numel + 1) // 2
-    counter = torch.arange(2 * pairs, dtype=torch.int64, device=device)
-    bits = _mix32(_mix32(counter) ^ key.to(device))
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24  # in (0, 1)
-    radius = torch.sqrt(-2.0 * torch.log(uniform[:pairs]))
-    angle = (2.0 * math.pi) * uniform[pairs:]
-    return torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:numel].to(dtype)
-
-
-# --- linear algebra ---------------------------------------------------------------------------
-
-
-def _normalise(cols: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """Each of a batch of column vectors (batch, n) divided by its norm."""
-    norm: torch.Tensor = torch.linalg.vector_norm(cols, dim=1, keepdim=True)
-    if epsilon:
-        return cols / (norm + epsilon)
-    # An all-zero column (a leaf whose gradient is zero on every rank) stays zero
-    # rather than becoming NaN; DDP means to do the same but divides by zero.
-    return torch.where(norm > 0, cols / norm, torch.zeros_like(cols))
-
-
-def _orthogonalise(matrices: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """Orthonormal columns spanning each matrix's of a batch (batch, n, r), r <= n.
-
-    Modified Gram-Schmidt for rank <= 2, Householder QR above, as DDP does,
-    but in at least float32: Gram-Schmidt in half precision (DDP's choice for
-    half buckets, which QR does not take) loses orthogonality quickly, and the
-    few columns cost nothing to upcast. The result has the input's dtype.
-    """
-    dtype, rank = matrices.dtype, matrices.shape[2]
-    matrices = matrices.to(torch.promote_types(dtype, torch.float32))
-    if rank > 2:
-        q: torch.Tensor = torch.linalg.qr(matrices).Q
-        return q.to(dtype)
-    cols: list[torch.Tensor] = []
-    for i in range(rank):
-        col = matrices[:, :, i]
-        for done in cols:
-            col = col - (done * col).sum(dim=1, keepdim=True) * done
-        cols.append(_normalise(col, epsilon))
-    return torch.stack(cols, dim=2).to(dtype)
-
-
-# --- the hook ---------------------------------------------------------------------------------
 
 _OTHER_PLAN = (
     "{name}: the state does not fit this plan: {detail}. It was made for another plan or by a "
@@ -328,9 +138,50 @@ class _Settings(NamedTuple):
         )
 
 
-def _powersgd(name: str, layout_of: LayoutFn, settings: _Settings) -> Hook:
-    """The hook shared by [fsync.ops.powersgd][] and [fsync.ops.batched_powersgd][]."""
-    start_step, error_feedback, warm_start, orthogonalization_epsilon, seed = settings
+def _check_state(
+    name: str,
+    settings: _Settings,
+    state: PowerSGDState,
+    ctx: SyncContext,
+    plan_layouts: list[Layout],
+) -> None:
+    """Raises unless ``state`` is a PowerSGDState that the hook ``name`` with these settings
+    made for ``ctx``'s plan."""
+    if not isinstance(state, PowerSGDState):
+        raise TypeError(
+            f"{name}: state is a {type(state).__name__}; expected the PowerSGDState that "
+            "init returned (or the previous step's)."
+        )
+    n = len(ctx.buckets)
+    if len(state.error) != n or len(state.q) != n:
+        detail = f"it has {len(state.error)} buckets, the plan has {n}"
+        raise ValueError(_OTHER_PLAN.format(name=name, detail=detail))
+    for b, (spec, layout) in enumerate(zip(ctx.buckets, plan_layouts, strict=True)):
+        for what, tensor, numel in (
+            ("error", state.error[b], layout.compressed_numel if settings.error_feedback else 0),
+            ("q", state.q[b], layout.q_numel if settings.warm_start else 0),
+        ):
+            if tuple(tensor.shape) != (numel,) or tensor.dtype != spec.dtype:
+                detail = (
+                    f"{what}[{b}] has shape {tuple(tensor.shape)} and dtype {tensor.dtype}, "
+                    f"expected ({numel},) and {spec.dtype}"
+                )
+                raise ValueError(_OTHER_PLAN.format(name=name, detail=detail))
+    if not torch.compiler.is_compiling() and int(state.fingerprint) != ctx.plan.fingerprint:
+        detail = "its fingerprint is not this plan's"
+        raise ValueError(_OTHER_PLAN.format(name=name, detail=detail))
+
+
+def _powersgd(
+    name: str, layout_fn: LayoutFn, rank: int, min_compression_rate: float, settings: _Settings
+) -> Hook:
+    """The hook [fsync.ops.powersgd][] and [fsync.ops.batched_powersgd][] make, each with
+    its construction of the buckets' layouts; raises for a setting out of range."""
+    start_step, error_feedback, warm_start, epsilon, seed = settings
+    _check_settings(rank, start_step, min_compression_rate, epsilon, seed)
+
+    def layout_of(plan: BucketPlan, spec: BucketSpec) -> Layout:
+        return layout_fn(plan, spec, rank, min_compression_rate)
 
     def init(plan: BucketPlan) -> PowerSGDState:
         specs = _dense(plan.specs)
@@ -347,9 +198,9 @@ def _powersgd(name: str, layout_of: LayoutFn, settings: _Settings) -> Hook:
             error.append(zeros)
             # The Q a fresh draw would give at the first compressed step, so that the
             # first compressed step does not depend on warm_start.
-            key = _key(seed, b, torch.tensor(start_step))
+            first = key(seed, b, torch.tensor(start_step))
             numel = layout.q_numel if warm_start else 0
-            q.append(_gaussian(numel, key, spec.dtype, spec.device))
+            q.append(gaussian(numel, first, spec.dtype, spec.device))
         return PowerSGDState(
             step=torch.zeros((), dtype=torch.int64),
             error=tuple(error),
@@ -361,37 +212,12 @@ def _powersgd(name: str, layout_of: LayoutFn, settings: _Settings) -> Hook:
             ),
         )
 
-    def check_state(state: PowerSGDState, ctx: SyncContext, plan_layouts: list[_Layout]) -> None:
-        if not isinstance(state, PowerSGDState):
-            raise TypeError(
-                f"{name}: state is a {type(state).__name__}; expected the PowerSGDState that "
-                "init returned (or the previous step's)."
-            )
-        n = len(ctx.buckets)
-        if len(state.error) != n or len(state.q) != n:
-            detail = f"it has {len(state.error)} buckets, the plan has {n}"
-            raise ValueError(_OTHER_PLAN.format(name=name, detail=detail))
-        for b, (spec, layout) in enumerate(zip(ctx.buckets, plan_layouts, strict=True)):
-            for what, tensor, numel in (
-                ("error", state.error[b], layout.compressed_numel if error_feedback else 0),
-                ("q", state.q[b], layout.q_numel if warm_start else 0),
-            ):
-                if tuple(tensor.shape) != (numel,) or tensor.dtype != spec.dtype:
-                    detail = (
-                        f"{what}[{b}] has shape {tuple(tensor.shape)} and dtype {tensor.dtype}, "
-                        f"expected ({numel},) and {spec.dtype}"
-                    )
-                    raise ValueError(_OTHER_PLAN.format(name=name, detail=detail))
-        if not torch.compiler.is_compiling() and int(state.fingerprint) != ctx.plan.fingerprint:
-            detail = "its fingerprint is not this plan's"
-            raise ValueError(_OTHER_PLAN.format(name=name, detail=detail))
-
     def apply(
         buckets: Buckets, state: PowerSGDState, ctx: SyncContext
     ) -> tuple[Buckets, PowerSGDState]:
         check_floating(name, ctx.plan, ctx.buckets)
         plan_layouts = [layout_of(ctx.plan, s) for s in ctx.buckets]
-        check_state(state, ctx, plan_layouts)
+        _check_state(name, settings, state, ctx, plan_layouts)
         n = len(buckets)
 
         def compress_bucket(
@@ -406,20 +232,10 @@ def _powersgd(name: str, layout_of: LayoutFn, settings: _Settings) -> Hook:
             if not layout.groups:  # nothing worth compressing: DDP's plain mean
                 out = _comm.all_reduce(ctx.divide(bucket), "sum", ctx.group)
                 return out, bucket.new_zeros(0), bucket.new_zeros(0)
-            x, rest = layout.split(bucket)
-            if error is not None:
-                x = x + error
             if q is None:  # no warm start: a fresh draw for this bucket and step
-                q = _gaussian(layout.q_numel, _key(seed, b, step), bucket.dtype, bucket.device)
-            approx, mean_rest, new_q = _power_step(
-                x, rest, q, layout.groups, orthogonalization_epsilon, ctx
-            )
-            new_error = x - approx if error is not None else bucket.new_zeros(0)
-            return (
-                layout.join(approx, mean_rest),
-                new_error,
-                new_q if warm_start else q.new_zeros(0),
-            )
+                q = gaussian(layout.q_numel, key(seed, b, step), bucket.dtype, bucket.device)
+            out, new_error, new_q = compress(bucket, layout, error, q, epsilon, ctx)
+            return out, new_error, new_q if warm_start else q.new_zeros(0)
 
         def compress_all(
             buckets: list[torch.Tensor], error: Carry, q: Carry, step: torch.Tensor
@@ -469,58 +285,7 @@ def _powersgd(name: str, layout_of: LayoutFn, settings: _Settings) -> Hook:
         )
         return list(out), new_state
 
-    return Hook(init, apply)
-
-
-def _power_step(
-    x: torch.Tensor,
-    rest: torch.Tensor,
-    q: torch.Tensor,
-    groups: Sequence[_Group],
-    epsilon: float,
-    ctx: SyncContext,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One PowerSGD step over a bucket's matrices ``x``, with the mean of ``rest`` on the side.
-
-    Returns the synced matrices ``P Q^T`` (flat, as ``x``), the mean of ``rest`` and
-    the averaged Q to start the next step from.
-    """
-    ms = _batches(x, [(g.batch, g.rows, g.cols) for g in groups])
-    qs = [
-        _orthogonalise(v, epsilon) for v in _batches(q, [(g.batch, g.cols, g.rank) for g in groups])
-    ]
-    ps = [torch.bmm(m, v) for m, v in zip(ms, qs, strict=True)]
-    # One collective for the Ps (summed: they are orthonormalised next, so their scale
-    # does not matter) and the mean of the uncompressed leaves.
-    # Waited for here, where the result is needed: a failure is fsync's named error.
-    reduced = _comm.wait(
-        _comm.all_reduce(
-            torch.cat([ctx.divide(rest), *(p.reshape(-1) for p in ps)]), "sum", ctx.group
-        )
-    )
-    p_sums = _batches(reduced[rest.numel() :], [(g.batch, g.rows, g.rank) for g in groups])
-    ps = [_orthogonalise(p, epsilon) for p in p_sums]
-    q_local = torch.cat(
-        [torch.bmm(m.transpose(1, 2), p).reshape(-1) for m, p in zip(ms, ps, strict=True)]
-    )
-    q_mean = _comm.wait(_comm.all_reduce(ctx.divide(q_local), "sum", ctx.group))
-    new_qs = _batches(q_mean, [(g.batch, g.cols, g.rank) for g in groups])
-    approx = torch.cat(
-        [torch.bmm(p, v.transpose(1, 2)).reshape(-1) for p, v in zip(ps, new_qs, strict=True)]
-    )
-    # A column that came back all zeros (the leaf's gradient was zero on every rank)
-    # would stay zero for good; keep the column used this step instead.
-    kept = [
-        torch.where(torch.linalg.vector_norm(v, dim=1, keepdim=True) > 0, v, used)
-        for v, used in zip(new_qs, qs, strict=True)
-    ]
-    return approx, reduced[: rest.numel()], torch.cat([v.reshape(-1) for v in kept])
-
-
-def _batches(flat: torch.Tensor, shapes: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:
-    """Consecutive (batch, rows, cols) blocks of a 1-D tensor, as views."""
-    pieces = torch.split(flat, [math.prod(shape) for shape in shapes])
-    return [p.view(shape) for p, shape in zip(pieces, shapes, strict=True)]
+    return Hook(init, apply, settings.spec(name, rank, min_compression_rate))
 
 
 def powersgd(
@@ -589,14 +354,8 @@ def powersgd(
         >>> int(state.hook.step), [tuple(q.shape) for q in state.hook.q]
         (1, [(64,)])
     """
-    _check_settings(rank, start_step, min_compression_rate, orthogonalization_epsilon, seed)
-
-    def layout_of(plan: BucketPlan, spec: BucketSpec) -> _Layout:
-        return _per_leaf_layout(plan, spec, rank, min_compression_rate)
-
     settings = _Settings(start_step, error_feedback, warm_start, orthogonalization_epsilon, seed)
-    hook = _powersgd("powersgd", layout_of, settings)
-    return hook._replace(spec=settings.spec("powersgd", rank, min_compression_rate))
+    return _powersgd("powersgd", per_leaf_layout, rank, min_compression_rate, settings)
 
 
 def batched_powersgd(
@@ -653,11 +412,5 @@ def batched_powersgd(
         >>> [tuple(e.shape) for e in state.hook.error]  # 2112 elements padded to 46 * 46
         [(2116,)]
     """
-    _check_settings(rank, start_step, min_compression_rate, orthogonalization_epsilon, seed)
-
-    def layout_of(plan: BucketPlan, spec: BucketSpec) -> _Layout:
-        return _batched_layout(plan, spec, rank, min_compression_rate)
-
     settings = _Settings(start_step, error_feedback, warm_start, orthogonalization_epsilon, seed)
-    hook = _powersgd("batched_powersgd", layout_of, settings)
-    return hook._replace(spec=settings.spec("batched_powersgd", rank, min_compression_rate))
+    return _powersgd("batched_powersgd", batched_layout, rank, min_compression_rate, settings)

@@ -6,23 +6,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsync import _tree
 from fsync._state import register_state
-from fsync.optim._base import (
-    LearningRate,
-    Optimizer,
-    add_scaled,
-    addcdiv,
-    check_hyper,
-    check_lr,
-    check_params,
-    check_state,
-    flatten_update,
-    lr_value,
-    new_step,
-    spec_paths,
-    zeros_like_tree,
-)
+from fsync.optim import _base
+from fsync.optim._base import LearningRate, Optimizer
 
 
 @register_state
@@ -48,33 +34,32 @@ def _adam(
     weight_decay: float,
     decoupled: bool,
 ) -> Optimizer:
-    lr = check_lr(lr)
+    lr = _base.check_lr(lr)
     if not isinstance(betas, tuple | list) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}.")
-    beta1 = check_hyper("betas[0]", betas[0], high=1.0, high_open=True)
-    beta2 = check_hyper("betas[1]", betas[1], high=1.0, high_open=True)
-    eps = check_hyper("eps", eps)
-    weight_decay = check_hyper("weight_decay", weight_decay)
+    beta1 = _base.check_hyper("betas[0]", betas[0], high=1.0, high_open=True)
+    beta2 = _base.check_hyper("betas[1]", betas[1], high=1.0, high_open=True)
+    eps = _base.check_hyper("eps", eps)
+    weight_decay = _base.check_hyper("weight_decay", weight_decay)
 
     def init(params: Any) -> AdamState:
-        leaves, treespec = _tree.flatten(params)
-        check_params(leaves, spec_paths(treespec))
+        leaves, treespec = _base.flatten_params(params)
         return AdamState(
-            step=new_step(),
-            exp_avg=zeros_like_tree(leaves, treespec),
-            exp_avg_sq=zeros_like_tree(leaves, treespec),
+            step=_base.new_step(),
+            exp_avg=_base.zeros_like_tree(leaves, treespec),
+            exp_avg_sq=_base.zeros_like_tree(leaves, treespec),
         )
 
     def update(params: Any, grads: Any, state: AdamState) -> tuple[Any, AdamState]:
-        check_state(state, AdamState, name)
-        p_leaves, g_leaves, (m_leaves, v_leaves), rebuild = flatten_update(
+        _base.check_state(state, AdamState, name)
+        p_leaves, g_leaves, (m_leaves, v_leaves), rebuild = _base.flatten_update(
             name, params, grads, [state.exp_avg, state.exp_avg_sq]
         )
         step = state.step + 1
         # The scalars torch.optim computes in Python doubles from step.item(), as
         # float64 tensors: same values, and no recompile as the step count grows.
         t = step.to(torch.float64)
-        lr_t = lr_value(lr)
+        lr_t = _base.lr_value(lr)
         bias_correction1 = 1 - beta1**t
         bias_correction2_sqrt = (1 - beta2**t) ** 0.5
         neg_step_size = -(lr_t / bias_correction1)
@@ -96,7 +81,7 @@ def _adam(
             if shrinks:
                 p = torch.mul(p, decay)
             elif weight_decay:
-                g = add_scaled(g, p, weight_decay)
+                g = _base.add_scaled(g, p, weight_decay)
             m = torch.lerp(m, g, 1 - beta1)
             # In-place operations only on tensors made here, never on the inputs.
             # (Not addcmul_ when compiling: functionalization would split it into a
@@ -108,7 +93,7 @@ def _adam(
                 else torch.addcmul(v, g, g, value=1 - beta2)
             )
             denom = torch.sqrt(v).div_(bias_correction2_sqrt).add_(eps)
-            new_p.append(addcdiv(p, m, denom, step_size, inplace=shrinks))
+            new_p.append(_base.addcdiv(p, m, denom, step_size, inplace=shrinks))
             del denom  # freed before the next parameter's is made
             new_m.append(m)
             new_v.append(v)

@@ -200,6 +200,13 @@ def check_params(leaves: Sequence[Any], path: Callable[[int], str], what: str = 
             )
 
 
+def flatten_params(params: Any, /) -> tuple[list[Any], optree.PyTreeSpec]:
+    """The leaves and structure of a parameter tree, the leaves checked by ``check_params``."""
+    leaves, treespec = _tree.flatten(params)
+    check_params(leaves, spec_paths(treespec))
+    return leaves, treespec
+
+
 # ``flatten_update``'s leaves: params, grads, the state trees' leaves, leaf i's path, and how
 # to build a tree like ``params`` from leaves.
 _Flat = tuple[list[Any], list[Any], list[list[Any]], Callable[[int], str], Callable[..., Any]]
@@ -244,9 +251,8 @@ def flatten_update(
 def _flatten_each(name: str, params: Any, grads: Any, trees: Sequence[Any]) -> _Flat:
     """``flatten_update``'s leaves for trees that are not plain containers: each flattened,
     the parameters' leaves checked and the structures compared."""
-    p_leaves, treespec = _tree.flatten(params)
+    p_leaves, treespec = flatten_params(params)
     path = spec_paths(treespec)
-    check_params(p_leaves, path)
     g_leaves, g_spec = _tree.flatten(grads)
     if g_spec != treespec:
         raise ValueError(

@@ -6,22 +6,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsync import _tree
 from fsync._state import register_state
-from fsync.optim._base import (
-    LearningRate,
-    Optimizer,
-    add_scaled,
-    check_hyper,
-    check_lr,
-    check_params,
-    check_state,
-    flatten_update,
-    lr_value,
-    new_step,
-    spec_paths,
-    zeros_like_tree,
-)
+from fsync.optim import _base
+from fsync.optim._base import LearningRate, Optimizer
 
 
 @register_state
@@ -80,10 +67,10 @@ def sgd(
         >>> params["w"], int(state.step)
         (tensor([0.5000, 0.5000]), 1)
     """
-    lr = check_lr(lr)
-    momentum = check_hyper("momentum", momentum)
-    dampening = check_hyper("dampening", dampening)
-    weight_decay = check_hyper("weight_decay", weight_decay)
+    lr = _base.check_lr(lr)
+    momentum = _base.check_hyper("momentum", momentum)
+    dampening = _base.check_hyper("dampening", dampening)
+    weight_decay = _base.check_hyper("weight_decay", weight_decay)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(
             f"nesterov needs momentum > 0 and dampening == 0; got momentum={momentum}, "
@@ -91,15 +78,16 @@ def sgd(
         )
 
     def init(params: Any) -> SGDState:
-        leaves, treespec = _tree.flatten(params)
-        check_params(leaves, spec_paths(treespec))
-        buffers = zeros_like_tree(leaves, treespec) if momentum else None
-        return SGDState(step=new_step(), momentum=buffers)
+        leaves, treespec = _base.flatten_params(params)
+        buffers = _base.zeros_like_tree(leaves, treespec) if momentum else None
+        return SGDState(step=_base.new_step(), momentum=buffers)
 
     def update(params: Any, grads: Any, state: SGDState) -> tuple[Any, SGDState]:
-        check_state(state, SGDState, "sgd")
+        _base.check_state(state, SGDState, "sgd")
         trees = [state.momentum] if momentum else []
-        p_leaves, g_leaves, state_leaves, rebuild = flatten_update("sgd", params, grads, trees)
+        p_leaves, g_leaves, state_leaves, rebuild = _base.flatten_update(
+            "sgd", params, grads, trees
+        )
         buf_leaves = state_leaves[0] if momentum else [None] * len(p_leaves)
         first = state.step == 0
         # Eagerly the first update is read as a number: the buffer is then a copy of the
@@ -109,7 +97,7 @@ def sgd(
         starts = eager and bool(first)
         # p - lr * g as torch's add(p, g, alpha=-lr): addcmul takes the factor as a
         # tensor and rounds the product into the sum the same way.
-        neg_lr = -lr_value(lr)
+        neg_lr = -_base.lr_value(lr)
         new_p, new_buf = [], []
         for p, g, buf in zip(p_leaves, g_leaves, buf_leaves, strict=True):
             if p is None or g is None:
@@ -117,18 +105,20 @@ def sgd(
                 new_buf.append(buf)
                 continue
             if weight_decay:
-                g = add_scaled(g, p, weight_decay)
+                g = _base.add_scaled(g, p, weight_decay)
             if momentum:
                 if starts:
                     buf = g.clone()
                 else:
-                    later = add_scaled(torch.mul(buf, momentum), g, 1 - dampening, inplace=True)
+                    later = _base.add_scaled(
+                        torch.mul(buf, momentum), g, 1 - dampening, inplace=True
+                    )
                     buf = later if eager else torch.where(first.to(g.device), g, later)
-                g = add_scaled(g, buf, momentum) if nesterov else buf
+                g = _base.add_scaled(g, buf, momentum) if nesterov else buf
             if isinstance(neg_lr, torch.Tensor):
                 p = torch.addcmul(p, g, neg_lr.to(p.device))
             else:
-                p = add_scaled(p, g, neg_lr)
+                p = _base.add_scaled(p, g, neg_lr)
             new_p.append(p)
             new_buf.append(buf)
         buffers = rebuild(new_buf) if momentum else None
