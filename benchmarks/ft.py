@@ -202,12 +202,12 @@ def torchft_ddp(load: Load, cap: float | None, lighthouse: str) -> Built:
     from torchft.optim import OptimizerWrapper
 
     from benchmarks.harness import Built
-    from fsync.ft import _torchft
+    from fsync.ft import _connect
 
     work = load.build()
     rank = dist.get_rank()
     batch = work.batch(rank)
-    manager = _torchft.manager(
+    manager = _connect.manager(
         lighthouse,
         f"replica_{rank}",
         timeout=datetime.timedelta(seconds=TIMEOUT_S),

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from typing_extensions import Unpack
 
-from fsync import _checks, _comm, _planner, _state, _tree
+from fsync import _checks, _comm, _planner, _reports, _state, _tree
 from fsync._agree import planned, refuse, verify_plan
 from fsync._hierarchy import shard_plan
 from fsync._options import OptionKeywords, SyncOptions
@@ -278,7 +278,7 @@ def _reduce_add(
     sync: DeferredSync, leaves: list[Any], plan: BucketPlan, state: DeferredState
 ) -> list[torch.Tensor]:
     """``reduce_add`` at the state's step, a collective that fails in it named."""
-    return _comm.naming(
+    return _reports.naming(
         lambda: reduce_add(leaves, plan, SyncCall.at(sync, state)),
         sync.group,
         step=state.step,
@@ -287,7 +287,7 @@ def _reduce_add(
 
 def _reduce_finish(sync: DeferredSync, plan: BucketPlan, state: DeferredState) -> Reduced:
     """``reduce_finish`` of the state's shards at its step, a failed collective named."""
-    return _comm.naming(
+    return _reports.naming(
         lambda: reduce_finish(state.shards, state.micro, plan, SyncCall.at(sync, state)),
         sync.group,
         step=state.step,

@@ -1,49 +1,30 @@
 """Agreement between ranks: checked at every sync, before any bucket collective.
 
-Every sync starts with one small all-reduce (``sum``, int64) of a fixed-size
-control vector, the same size on every rank whatever the ranks hold, so that
-ranks that disagree still meet in it:
-
-* ``active``: 1 on a rank that contributes this step (the count divides a mean
-  for ``divide_by="active"``);
-* the 64-bit fingerprint ``h`` of the plan and the sync options (the hook's
-  kind and settings, ``find_unused``, ``divide_by``), cut into four 16-bit
-  chunks ``c``, each sent as ``(c, c**2)``;
-* the sync's sequence number ``s`` (the state's step count modulo 2**16) as
-  ``(s, s**2)``, which catches a rank that skipped a sync;
-* a flag for what this rank found alone: a state made for another plan (read
-  from the state's values), or a check that failed on this rank before the
-  agreement (``refuse``: its message is what the ranks exchange), and the number
-  of leaves this rank has no gradient for.
-
-By Cauchy-Schwarz, ``(sum c)**2 == n * sum c**2`` holds exactly when all ``n``
-values are equal, and every rank evaluates the same sums: every rank sees the
-same verdict from ``O(1)`` bytes per rank, at any world size (int64 does not
-overflow below 2**15 ranks). Only on a disagreement do the ranks exchange their
-descriptions to name the first difference, in a ``ValueError`` raised on every
-rank. The fingerprint covers the plan, the options and the metadata of the
-hook's state (``state_words``). When some rank has no gradient for a leaf (or
-with ``find_unused``) a second all-reduce counts, per tensor leaf, the ranks that
-have one: a leaf no rank has comes back ``None`` (DDP's semantics); one some
-ranks lack is averaged with zeros from them under ``find_unused``, and is an
-error without it. A control all-reduce that fails is named (``_comm.named``):
-the sync, the stage and the ranks that did not arrive.
+Every sync starts with one small all-reduce (``sum``, int64) of each rank's control
+vector (``_control``: its activity, the fingerprint of the plan, the options and the
+hook state's metadata, the sync's sequence number, and what this rank found alone), so
+that every rank sees the same verdict from ``O(1)`` bytes per rank. Only on a
+disagreement do the ranks exchange their descriptions to name it, in an error raised on
+every rank (``_differences``). When some rank has no gradient for a leaf (or with
+``find_unused``) a second all-reduce counts, per tensor leaf, the ranks that have one: a
+leaf no rank has comes back ``None`` (DDP's semantics); one some ranks lack is averaged
+with zeros from them under ``find_unused``, and is an error without it. A check that
+fails on one rank before the agreement joins it as a vote (``refuse``), so that every
+rank raises. A control all-reduce that fails is named (``_reports.named``): the sync,
+the stage and the ranks that did not arrive.
 
 Under ``torch.compile`` the same function runs as an opaque custom op
 (``fsync::agree``), so the check, and its error, happen at run time in the
 compiled step as they do eagerly; the packed buckets depend on its result, so no
 bucket collective can be scheduled before it.
 
-Owns: what ranks compare (the words for how they differ are ``_differences``). May
-import: ``_comm``, ``_tree``, ``_trace``, ``_plan``, ``_differences``, ``_checks``
-(layers 1 to 3).
+Owns: the agreement's stages (issue, conclude, refuse) and its op. May import:
+``_comm``, ``_reports``, ``_tree``, ``_trace``, ``_plan``, ``_control``,
+``_differences``, ``_checks`` (layers 1 to 3).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import itertools
 import json
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -51,41 +32,22 @@ from typing import Any, NamedTuple, TypeVar
 import optree
 import torch
 
-from fsync import _checks, _comm, _failures, _tree
-from fsync._differences import FIX, describe, first_difference
-from fsync._plan import PLAN_CACHE_SIZE, BucketPlan
+from fsync import _checks, _comm, _failures, _reports, _tree
+from fsync._control import (
+    ACTIVE,
+    CONTROL_SIZE,
+    FOUND,
+    NONES,
+    control_vector,
+    fingerprint,
+    int64_vector,
+    verdict,
+)
+from fsync._differences import OTHER_STATE, check_fully_used, describe, raise_disagreement
+from fsync._plan import BucketPlan
 from fsync._trace import python_at_trace_time
 
-_SKIPPED = (
-    "ranks are at different syncs of this group: {who}. A rank skipped a sync (a sync "
-    "written inside `if rank == 0:`, or a rank that ran out of data without active=False), "
-    "so its collectives would pair with another step's. Every rank must call every sync; a "
-    "rank without data passes active=False."
-)
-_OTHER_STATE_HERE = (
-    "its state belongs to another plan (its fingerprint differs from the plan of the gradients)"
-)
-_OTHER_STATE = (
-    "state belongs to another plan (its fingerprint differs from the plan of the gradients) "
-    "on {who}. Pass the state that this sync's init returned, or the previous step's."
-)
-_REFUSED = (
-    "{who} cannot take part in this sync, so no rank sent its buckets (every rank raises this "
-    "error): {details}"
-)
-_PARTLY_UNUSED = (
-    "leaf {path!r} has a gradient on {have} but None on {lack}: a parameter unused on some "
-    "ranks. Pass find_unused=True to GradSync (DDP's find_unused_parameters=True) to average "
-    "it with zeros from the ranks that did not use it."
-)
-
 _T = TypeVar("_T")
-
-# Control vector: [active, (c, c*c) for 4 chunks of h, s, s*s, found, nones].
-_CHUNKS = 4
-_CHUNK_BITS = 16
-_ACTIVE, _H, _SEQ, _FOUND, _NONES = 0, 1, 1 + 2 * _CHUNKS, 3 + 2 * _CHUNKS, 4 + 2 * _CHUNKS
-CONTROL_SIZE = 5 + 2 * _CHUNKS
 
 
 class Agreed(NamedTuple):
@@ -93,112 +55,6 @@ class Agreed(NamedTuple):
 
     divisor: int | torch.Tensor
     used: list[bool] | None
-
-
-@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def _digest(
-    plan_fingerprint: int, hook: str, find_unused: bool, divide_by: str, state: tuple[str, ...]
-) -> int:
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update(json.dumps([plan_fingerprint, hook, find_unused, divide_by, state]).encode())
-    return int.from_bytes(digest.digest(), "big")
-
-
-@python_at_trace_time
-def fingerprint(
-    plan_fingerprint: int,
-    hook: str,
-    find_unused: bool,
-    divide_by: str,
-    state: tuple[str, ...] = (),
-) -> int:
-    """The 64-bit digest ranks compare: the plan's fingerprint, the sync options and the
-    metadata of the hook's state (``state_words``)."""
-    return _digest(plan_fingerprint, hook, find_unused, divide_by, state)
-
-
-def state_words(state: Any) -> tuple[str, ...]:
-    """The metadata of a hook's state, as the ranks compare it: each leaf's shape and dtype.
-
-    A hook's state comes from ``init`` on the plan every rank shares, so it has the
-    same structure and shapes on every rank; a state that differs on one rank (made
-    for another plan, or another hook's) is a disagreement, found before any bucket
-    collective, where the hook itself would find it only after, on that rank alone.
-    """
-    leaves = optree.tree_leaves(state, none_is_leaf=True, namespace=_tree.NAMESPACE)
-    return tuple(
-        f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-        for x in leaves
-    )
-
-
-def _chunks(value: int) -> list[int]:
-    mask = (1 << _CHUNK_BITS) - 1
-    return [(value >> (_CHUNK_BITS * k)) & mask for k in range(_CHUNKS)]
-
-
-def control_vector(
-    h: int,
-    *,
-    plan_fingerprint: int,
-    device: torch.device,
-    active: bool = True,
-    nones: int = 0,
-    step: torch.Tensor | None = None,
-    state_fingerprint: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """This rank's control vector (see the module's docstring)."""
-    fixed = [int(active)]
-    for c in _chunks(h):
-        fixed += [c, c * c]
-    if not torch.compiler.is_compiling():  # one small tensor from Python numbers
-        seq = 0 if step is None else int(step) % (1 << _CHUNK_BITS)
-        stale = state_fingerprint is not None and int(state_fingerprint) != plan_fingerprint
-        values = [*fixed, seq, seq * seq, int(stale), nones]
-        return torch.tensor(values, dtype=torch.int64, device=device)
-    # Traced: the step and the state's fingerprint are tensors, read at run time.
-    head = _int64_vector(fixed, device)
-    tail = torch.tensor([0, 0, 0, nones], dtype=torch.int64, device=device)
-    if step is not None:
-        s = step.to(device=device, dtype=torch.int64).reshape(1) % (1 << _CHUNK_BITS)
-        tail = tail + torch.cat([s, s * s, s.new_zeros(2)])
-    if state_fingerprint is not None:
-        other = (state_fingerprint.to(device).reshape(1) != plan_fingerprint).to(torch.int64)
-        tail = tail + torch.cat([other.new_zeros(2), other, other.new_zeros(1)])
-    return torch.cat([head, tail])
-
-
-def _int64_vector(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``torch.tensor(values, dtype=torch.int64)``; traced, without a tensor constant.
-
-    Inside a ``torch.cond`` branch (where [fsync.diloco][] syncs) inductor leaves a
-    tensor constant of more than 8 elements unset and the compiled step fails at run
-    time (pytorch/pytorch#185482, seen with torch 2.13), so a traced vector
-    is filled run by run instead, which also keeps an all-ones vector one node.
-    """
-    if not torch.compiler.is_compiling():
-        return torch.tensor(values, dtype=torch.int64, device=device)
-    runs = [
-        torch.full((len(list(run)),), value, dtype=torch.int64, device=device)
-        for value, run in itertools.groupby(values)
-    ]
-    return torch.cat(runs) if runs else torch.zeros(0, dtype=torch.int64, device=device)
-
-
-def _all_equal(total: int, squares: int, n: int) -> bool:
-    return total * total == n * squares
-
-
-def _verdict(summed: list[int], world_size: int) -> str | None:
-    """Which kind of disagreement the summed control vector shows, if any."""
-    if summed[_FOUND]:
-        return "found"
-    if not _all_equal(summed[_SEQ], summed[_SEQ + 1], world_size):
-        return "seq"
-    for k in range(_CHUNKS):
-        if not _all_equal(summed[_H + 2 * k], summed[_H + 2 * k + 1], world_size):
-            return "fingerprint"
-    return None
 
 
 def issue(control: torch.Tensor, group: _comm.Group) -> torch.Tensor:
@@ -221,13 +77,13 @@ def conclude(
 
     Raises the same ``ValueError`` on every rank when they disagree. A control
     all-reduce that fails (a rank died, hangs or stopped calling the sync) is
-    named (``_comm.named``): the sync, begun at c10d collective ``start`` of
+    named (``_reports.named``): the sync, begun at c10d collective ``start`` of
     the group, its ``step``, and the ranks that did not arrive.
     """
     try:
         return _concluded(pending, control, used, group, description, find_unused)
     except _failures.CollectiveError as failure:
-        raise _comm.named(failure, group, start, stage=AGREEMENT, step=step) from failure
+        raise _reports.named(failure, group, start, stage=AGREEMENT, step=step) from failure
 
 
 AGREEMENT = "the ranks' agreement (the sync's first collective)"
@@ -244,16 +100,16 @@ def _concluded(
     summed = _comm.wait(pending)
     values = summed.tolist()
     world_size = _comm.size(group)
-    problem = _verdict(values, world_size)
+    problem = verdict(values, world_size)
     if problem is not None:
-        _raise(problem, control, description, group)
+        raise_disagreement(problem, control, description, group)
     counts = used
-    if find_unused or values[_NONES]:  # some rank lacks a gradient: count who has each leaf
+    if find_unused or values[NONES]:  # some rank lacks a gradient: count who has each leaf
         counts = _comm.wait(
             _comm.all_reduce(used.clone(), "sum", group, inplace=True, control=True)
         )
         if not find_unused:
-            _check_fully_used(counts, used, int(values[_ACTIVE]), description, group)
+            check_fully_used(counts, used, int(values[ACTIVE]), description, group)
     return summed, counts
 
 
@@ -268,48 +124,6 @@ def agree(
     start = _comm.sequence_number(group)
     pending = issue(control, group)
     return conclude(pending, control, used, group, description, find_unused, start=start)
-
-
-def _raise(problem: str, control: torch.Tensor, description: str, group: _comm.Group) -> None:
-    mine = (control.tolist(), description)
-    everyone = _comm.all_gather_object(mine, group, control.device)
-    if problem == "found":
-        raise _found(everyone)
-    if problem == "seq":
-        steps = [c[_SEQ] for c, _ in everyone]
-        where = ", ".join(f"rank {r} at sync {s}" for r, s in enumerate(steps))
-        raise ValueError(_SKIPPED.format(who=where))
-    descriptions = [json.loads(d) for _, d in everyone]
-    raise ValueError(f"{first_difference(descriptions)} {FIX}")
-
-
-def _found(everyone: list[tuple[list[int], str]]) -> Exception:
-    """Every rank's error for what some ranks found alone (``refuse``, or a stale state).
-
-    The error's type is the finders' own when they agree on it (a ``TypeError``
-    for a wrong leaf type, say), else ``ValueError``; a finder that is no check
-    of fsync's (``fn`` raised) makes it a ``RuntimeError``.
-    """
-    finders = [(r, _finding(d)) for r, (c, d) in enumerate(everyone) if c[_FOUND]]
-    if all(found is None for _, found in finders):  # states made for another plan
-        return ValueError(
-            _OTHER_STATE.format(who=_failures.ranks_in_words([r for r, _ in finders]))
-        )
-    kinds = {"ValueError" if found is None else found[0] for _, found in finders}
-    details = "; ".join(
-        f"rank {r}: {_OTHER_STATE_HERE if found is None else found[1]}" for r, found in finders
-    )
-    message = _REFUSED.format(
-        who=_failures.ranks_in_words([r for r, _ in finders]), details=details
-    )
-    kind = kinds.pop() if len(kinds) == 1 else "ValueError"
-    return {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(message)
-
-
-def _finding(description: str) -> tuple[str, str] | None:
-    """``(kind, message)`` of a rank that refused (see ``refuse``), else ``None``."""
-    found = json.loads(description).get("found")
-    return None if found is None else (found[0], found[1])
 
 
 def refuse(error: Exception, group: _comm.Group, like: Any = None) -> Any:
@@ -333,7 +147,7 @@ def refuse(error: Exception, group: _comm.Group, like: Any = None) -> Any:
     if _comm.size(group) == 1 and not compiling:
         raise error
     device = _comm.default_device(group)
-    control = _int64_vector([int(k == _FOUND) for k in range(CONTROL_SIZE)], device)
+    control = int64_vector([int(k == FOUND) for k in range(CONTROL_SIZE)], device)
     used = torch.zeros(0, dtype=torch.int64, device=device)
     description = _refusal(type(error).__name__, str(error))
     if not compiling:
@@ -341,7 +155,7 @@ def refuse(error: Exception, group: _comm.Group, like: Any = None) -> Any:
         raise AssertionError("unreachable: the agreement raises for a rank that refuses")
     context = _op_context(_comm.group_name(group), description, False)
     summed, _ = torch.ops.fsync.agree(control, used, context)
-    token = summed[_ACTIVE] >= 0
+    token = summed[ACTIVE] >= 0
     return optree.tree_map(
         lambda x: x * token if isinstance(x, torch.Tensor) and not x.is_meta else x,
         like,
@@ -383,20 +197,6 @@ def verify_plan(plan: BucketPlan, group: _comm.Group, what: str = "grads") -> No
     control = control_vector(plan.fingerprint, plan_fingerprint=plan.fingerprint, device=device)
     description = describe(plan.description, "", False, "", what)
     agree(control, torch.zeros(0, dtype=torch.int64, device=device), group, description, False)
-
-
-def _check_fully_used(
-    counts: torch.Tensor, used: torch.Tensor, active: int, description: str, group: _comm.Group
-) -> None:
-    partial = ((counts > 0) & (counts < active)).nonzero()
-    if partial.numel() == 0:
-        return
-    position = int(partial[0])
-    has = _comm.all_gather_object(bool(used[position]), group, used.device)
-    paths = [path for path, leaf in json.loads(description)["plan"]["leaves"] if leaf != "None"]
-    have = _failures.ranks_in_words([r for r, h in enumerate(has) if h])
-    lack = _failures.ranks_in_words([r for r, h in enumerate(has) if not h])
-    raise ValueError(_PARTLY_UNUSED.format(path=paths[position], have=have, lack=lack))
 
 
 @python_at_trace_time
@@ -476,7 +276,7 @@ class _Check(NamedTuple):
     ) -> Agreed:
         divisor: int | torch.Tensor = _comm.size(self.group)
         if self.divide_by == "active":
-            divisor = summed[_ACTIVE].clamp(min=1)
+            divisor = summed[ACTIVE].clamp(min=1)
         present = None
         if self.find_unused or (self.active and not all(has)):
             present = _present(plan, counts, self.find_unused, has)
@@ -517,7 +317,7 @@ def _check_of(plan: BucketPlan, has: list[bool], group: _comm.Group, terms: Term
         plan_fingerprint=plan.fingerprint,
         device=device,
     )
-    used = _int64_vector([int(x) for x in has], device)
+    used = int64_vector([int(x) for x in has], device)
     description = describe(plan.description, *options, "grads", terms.state)
     return _Check(
         control, used, description, group, terms.find_unused, terms.divide_by, terms.active
@@ -544,7 +344,7 @@ def check_alone(plan: BucketPlan, state_fingerprint: torch.Tensor | None) -> Non
     """With one rank there is no one to disagree with, but a state for another plan is
     still refused."""
     if state_fingerprint is not None and int(state_fingerprint) != plan.fingerprint:
-        raise ValueError(_OTHER_STATE.format(who="rank 0"))
+        raise ValueError(OTHER_STATE.format(who="rank 0"))
 
 
 def agree_on(
@@ -578,7 +378,7 @@ def agree_on(
     check = _check_of(plan, has, group, terms)
     context = _op_context(_comm.group_name(group), check.description, terms.find_unused)
     summed, counts = torch.ops.fsync.agree(check.control, check.used, context)
-    return check.agreed(plan, summed, counts, has), pack(summed[_ACTIVE] >= 0)
+    return check.agreed(plan, summed, counts, has), pack(summed[ACTIVE] >= 0)
 
 
 def _alone(plan: BucketPlan, has: list[bool], active: bool) -> list[bool] | None:

@@ -57,7 +57,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import optree
 import torch
 
-from fsync import _checks, _comm, _failures, _pack, _tree
+from fsync import _checks, _comm, _failures, _pack, _reports, _tree
 from fsync._agree import Agreed, Agreement, begin, refuse
 from fsync._apply import alone, context, finish_bucket, start_bucket
 from fsync._hierarchy import GatheringPipeline, pipelined, reduce_started, start_within
@@ -530,7 +530,7 @@ def synced_backward(
         buckets.join()
         return reducer.finish(), output
     except _failures.CollectiveError as failure:
-        raise _comm.named(failure, group, start, step=call.step) from failure
+        raise _reports.named(failure, group, start, step=call.step) from failure
 
 
 def _forward(

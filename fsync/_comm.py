@@ -6,28 +6,23 @@ eagerly (returning tensors that wait on first use) and trace under
 is a ``ProcessGroup``, a 1-D ``DeviceMesh``, a ``(DeviceMesh, dim)`` pair, a
 2-D ``DeviceMesh`` (dim 0 across nodes, dim 1 within a node: its collectives run
 over all of its ranks, and ``hierarchy`` names its two dims for a hierarchical
-reduce) or ``None`` for the default group; a ``Recorder`` stands in for one where
-a sync is measured rather than run, and a ``ReplicaGroup`` for the live replicas
-of a fault-tolerant job (``fsync.ft``: its collectives go through torchft's
-``Manager``, eagerly; one of several ranks per replica group names its two levels,
-within the group and across replicas, and ``hierarchy`` takes them as a 2-D
-mesh's); ``ALONE`` is this rank by itself (the update group of a step that splits
-nothing). With one rank no collective is issued.
+reduce), ``None`` for the default group, or one of the kinds no c10d group stands
+behind: a ``Recorder`` (a sync measured rather than run), a ``ReplicaGroup`` (the live
+replicas of ``fsync.ft``, whose two levels ``hierarchy`` takes as a 2-D mesh's) and
+``ALONE`` (``_groups``). With one rank no collective is issued.
 
 Owns: every call into ``torch.distributed`` (DCP's too, for ``fsync.checkpoint``:
 ``checkpointing``) and the differences between torch releases. May import: torch,
-``_trace``, ``_recorder`` and ``_failures`` (layer 1, above those alone).
+``_trace``, ``_recorder``, ``_groups`` and ``_failures`` (layer 1, above those alone).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import pickle
-import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,109 +34,21 @@ from torch.distributed.distributed_c10d import (  # type: ignore[attr-defined]
 )
 
 from fsync import _trace
-from fsync._failures import (
-    CAUSES,
-    COLLECTIVE_FAILED,
-    REPORT_PATIENCE_S,
-    CollectiveError,
-    ranks_in_words,
+from fsync._failures import COLLECTIVE_FAILED, CollectiveError
+from fsync._groups import (
+    REPLICAS_UNDER_COMPILE,
+    Failed,
+    Issued,
+    Pending,
+    ReplicaGroup,
+    Standalone,
 )
 from fsync._recorder import Recorder
-
-REDUCE_OPS = ("sum", "avg", "max", "min", "product")
-
-_T = TypeVar("_T")
 
 # torch >= 2.13 deprecates all_gather_tensor/reduce_scatter_tensor in favour of the
 # *_single names; older releases only have the former.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-
-
-class ReplicaGroup:
-    """The live replicas of a fault-tolerant job as a group: its members change step by step.
-
-    A fault-tolerance runtime (``fsync.ft``'s, over torchft) subclasses it: each
-    collective is issued through the runtime, which learns of a failure itself, and
-    returns a ``Pending`` whose wait raises ``RuntimeError`` when the collective (or
-    an earlier one of the step) failed, so that fsync raises ``CollectiveError``
-    and the step is discarded; ``all_reduce`` returns that result as a tensor that
-    waits on first use, so that several buckets are on the wire at once, as over a
-    c10d group (unless ``waits_at_once``), and ``settle`` waits for what a failed step
-    left in flight. ``size`` is the number of replicas in this step's
-    quorum, the divisor of a mean. Eager only: under ``torch.compile`` it raises
-    ``REPLICAS_UNDER_COMPILE``. No store is read to name a failure (``named``): the
-    runtime decides what a failure means.
-    """
-
-    waits_at_once = False
-    """Whether ``all_reduce`` waits for each collective as it issues it. The replicas'
-    level of a two-level group does: there each rank's crossing is followed by
-    collectives within its replica group, and a failure across must stop every rank of
-    the group at the same collective, or a rank would wait within for one that left the
-    step (``fsync.ft.ReplicaMesh`` also has the group's ranks agree on each crossing's
-    outcome: one can fail where another went through). A failure is still raised where
-    the caller waits for the result, which names the stage (the bucket) it broke."""
-
-    @property
-    def unsettled(self) -> list[torch.Tensor]:
-        """Results of ``all_reduce`` returned in flight and not yet ``settle``d."""
-        found: list[torch.Tensor] = self.__dict__.setdefault("_unsettled", [])
-        return found
-
-    def size(self) -> int:
-        """The number of replicas taking part in this step."""
-        raise NotImplementedError
-
-    def rank(self) -> int:
-        """This replica's rank among them."""
-        raise NotImplementedError
-
-    @property
-    def device(self) -> torch.device:
-        """Where small control tensors live."""
-        return torch.device("cpu")
-
-    def all_reduce(self, x: torch.Tensor, op: str) -> Pending:
-        """Reduces ``x`` itself (the caller owns it) with ``op`` across the replicas."""
-        raise NotImplementedError
-
-    def all_gather(self, x: torch.Tensor) -> Pending:
-        """Every replica's ``x`` concatenated along dim 0, in rank order."""
-        raise NotImplementedError
-
-    def broadcast(self, x: torch.Tensor, src: int) -> Pending:
-        """Replica ``src``'s ``x``, received into ``x`` itself (the caller owns it)."""
-        raise NotImplementedError
-
-    def levels(self) -> tuple[Group, Group] | None:
-        """``(across, within)`` where the group has two levels (replica groups of several
-        ranks, reduced hierarchically as a 2-D mesh is); ``None`` for one level."""
-        return None
-
-
-class Alone:
-    """This rank by itself: a group of one, over which every collective is the identity.
-
-    The group a step splits its optimizer update over where nothing is split
-    (``fsync.ops.replicated``): every rank updates the whole of every bucket, so
-    there is nothing to gather. Use ``ALONE``.
-    """
-
-    def __repr__(self) -> str:
-        return "ALONE (this rank by itself)"
-
-
-ALONE = Alone()
-"""The one ``Alone`` group."""
-
-
-REPLICAS_UNDER_COMPILE = (
-    "a ReplicaGroup (fsync.ft) runs eagerly only: its members change from one step to the "
-    "next, and torch's functional collectives need a c10d group of fixed size, by name, at "
-    "trace time. Call the step without torch.compile / fsync.compile (compile the loss "
-    "function inside it instead)."
-)
 
 
 def _replicas(group: Group) -> ReplicaGroup | None:
@@ -153,9 +60,7 @@ def _replicas(group: Group) -> ReplicaGroup | None:
     return group
 
 
-Group = (
-    dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | Recorder | ReplicaGroup | Alone | None
-)
+Group = dist.ProcessGroup | DeviceMesh | tuple[DeviceMesh, int] | Recorder | Standalone | None
 
 _NOT_INITIALISED = (
     "torch.distributed is not initialised. Call torch.distributed.init_process_group() "
@@ -192,7 +97,7 @@ def check_group(group: Group) -> None:
                 'mesh_dim_names=("node", "local")).'
             )
         return
-    if isinstance(group, Recorder | ReplicaGroup | Alone):
+    if isinstance(group, Recorder | Standalone):
         return
     placeholder: Any = group  # new_group's value on ranks it leaves out: an int
     if isinstance(placeholder, int) and placeholder == dist.GroupMember.NON_GROUP_MEMBER:
@@ -235,7 +140,7 @@ def _flattened(mesh: DeviceMesh) -> DeviceMesh:
 def hierarchy(group: Group) -> tuple[Group, Group] | None:
     """``(across, within)``: a 2-D mesh's (or 2-D ``Recorder``'s) dims 0 and 1, a two-level
     ``ReplicaGroup``'s levels; else ``None``."""
-    if isinstance(group, ReplicaGroup):
+    if isinstance(group, Standalone):
         return group.levels()
     if isinstance(group, Recorder):
         return (group.along(0), group.along(1)) if len(group.shape) == 2 else None
@@ -250,12 +155,10 @@ def _funcol_group(group: Group) -> Any:
 
 def size(group: Group) -> int:
     """Number of ranks in ``group``."""
-    if isinstance(group, Alone):
-        return 1
+    if isinstance(group, Standalone):
+        return group.size()
     if isinstance(group, Recorder):
         return group.world_size
-    if isinstance(group, ReplicaGroup):
-        return group.size()
     if isinstance(group, DeviceMesh) and group.ndim == 2:
         return group.size(0) * group.size(1)
     mesh_dim = _mesh_dim(group)
@@ -264,26 +167,24 @@ def size(group: Group) -> int:
 
 def rank(group: Group) -> int:
     """This process's rank within ``group``."""
-    if isinstance(group, Alone):
-        return 0
+    if isinstance(group, Standalone):
+        return group.rank()
     if isinstance(group, Recorder):
         return group.rank
-    if isinstance(group, ReplicaGroup):
-        return group.rank()
     if isinstance(group, DeviceMesh) and group.ndim == 2:  # row-major, as flattened
         return group.get_local_rank(0) * group.size(1) + group.get_local_rank(1)
     mesh_dim = _mesh_dim(group)
-    return (
-        mesh_dim[0].get_local_rank(mesh_dim[1]) if mesh_dim else dist.get_rank(process_group(group))
-    )
+    if mesh_dim:
+        return mesh_dim[0].get_local_rank(mesh_dim[1])
+    return dist.get_rank(process_group(group))
 
 
 def process_group(group: Group) -> dist.ProcessGroup:
     """The ``ProcessGroup`` behind ``group``."""
     if isinstance(group, ReplicaGroup):
         raise TypeError("a ReplicaGroup (fsync.ft) has no c10d ProcessGroup of fixed members.")
-    if isinstance(group, Alone):
-        raise TypeError("ALONE is this rank by itself: no c10d ProcessGroup stands behind it.")
+    if isinstance(group, Standalone):
+        raise TypeError(f"{group!r}: no c10d ProcessGroup stands behind it.")
     mesh_dim = _mesh_dim(group)
     if mesh_dim:
         return mesh_dim[0].get_group(mesh_dim[1])
@@ -325,7 +226,8 @@ def group_named(name: str) -> dist.ProcessGroup:
 def all_reduce(
     x: torch.Tensor, op: str, group: Group, *, inplace: bool = False, control: bool = False
 ) -> torch.Tensor:
-    """Reduces ``x`` over ``group`` with ``op``, one of ``REDUCE_OPS``.
+    """Reduces ``x`` over ``group`` with ``op`` (``"sum"``, ``"avg"``, ``"max"``, ``"min"``,
+    ``"product"``).
 
     ``inplace=True`` lets an eager call reduce into ``x`` itself (for a tensor the
     caller owns) instead of a copy. Either way the result waits for the collective
@@ -339,10 +241,9 @@ def all_reduce(
     replicas = _replicas(group)
     if replicas is not None:
         pending = replicas.all_reduce(x if inplace else x.clone(), op)
-        if replicas.waits_at_once:
-            return _waited(pending, replicas)
         in_flight = _waits_on_first_use(pending)
-        replicas.unsettled.append(in_flight)
+        if pending.works:  # none where the group waited as it issued it
+            replicas.unsettled.append(in_flight)
         return in_flight
     if inplace and not torch.compiler.is_compiling():
         name = funcol._resolve_group_name(_funcol_group(group))
@@ -357,37 +258,13 @@ def all_reduce(
 def _local(
     op: str, x: torch.Tensor, group: Group, reduce_op: str = "sum", *, control: bool = False
 ) -> torch.Tensor | None:
-    """What ``op`` on ``x`` gives without a process group.
-
-    ``x`` itself with one rank; for a ``Recorder`` (which records the call) the
-    result as if every rank held the same ``x``; ``None`` when the collective
-    must be issued.
-    """
+    """What ``op`` on ``x`` gives without a process group: ``x`` itself with one rank, a
+    ``Recorder``'s answer; ``None`` when the collective must be issued."""
     if size(group) == 1:
         return x
     if not isinstance(group, Recorder):
         return None
-    group.record(op, x, control=control)
-    if op == "all_gather":
-        return torch.cat([x] * group.world_size)
-    if op == "reduce_scatter":
-        x = x.chunk(group.world_size)[group.rank]
-    if op != "broadcast" and reduce_op == "sum":
-        return x * group.world_size
-    return x.clone()
-
-
-class Pending(NamedTuple):
-    """A result still on the wire as c10d ``Work``s: ``wait`` returns ``tensor`` once
-    ``works`` are done (what an eager gloo all-gather returns, see ``all_gather``)."""
-
-    tensor: torch.Tensor
-    works: tuple[Any, ...]
-
-
-Issued = torch.Tensor | Pending
-"""What a collective returns before ``wait``: a tensor (plain, or a functional
-collective's, which waits on first use) or a ``Pending``."""
+    return group.answer(op, x, reduce_op, control=control)
 
 
 def all_gather(x: torch.Tensor, group: Group) -> Issued:
@@ -568,19 +445,9 @@ def _waits_on_first_use(x: Pending) -> torch.Tensor:
     return in_flight
 
 
-class Failed:
-    """A collective's ``Work`` that failed already: its wait raises ``error``."""
-
-    def __init__(self, error: RuntimeError) -> None:
-        self._error = error
-
-    def wait(self) -> bool:
-        raise self._error
-
-
 def _waited(x: Pending, group: ReplicaGroup) -> torch.Tensor:
-    """``x`` waited for as it is issued (a ``waits_at_once`` group); a failure is kept for
-    the caller's ``wait``, which names the stage (the bucket) it broke, as in flight."""
+    """``x`` waited for as it is issued (a broadcast over replicas); a failure is kept for
+    the caller's ``wait``, which names the stage it broke, as one in flight would be."""
     try:
         for work in x.works:
             work.wait()
@@ -637,7 +504,7 @@ def _wait_work(work: Any, stage: str | Callable[[], str] = "") -> Any:
 
 def sequence_number(group: Group) -> int:
     """How many collectives this rank has issued on ``group`` (c10d's count); -1 if unknown."""
-    if isinstance(group, Recorder | ReplicaGroup) or size(group) == 1:
+    if isinstance(group, Recorder | Standalone) or size(group) == 1:
         return -1
     try:
         pg: Any = process_group(group)
@@ -646,99 +513,7 @@ def sequence_number(group: Group) -> int:
         return -1
 
 
-def named(
-    failure: CollectiveError, group: Group, start: int, *, stage: str = "", step: Any = None
-) -> CollectiveError:
-    """``failure`` with the sync it broke, its stage, and which ranks did not arrive.
-
-    This rank records its stage in the group's c10d store (torchrun's, or the one
-    ``init_process_group`` made) under the sync's key, ``start`` (this group's c10d
-    sequence number when the sync began, the same on ranks that keep step), and
-    reads the other ranks' records for up to ``REPORT_PATIENCE_S`` seconds: a rank
-    that wrote one saw the failure too; one that did not is missing (dead, hung,
-    or not calling this sync). Nothing is written on syncs that succeed. Named
-    once: the innermost caller that knows the stage names it.
-    """
-    if failure.reports is not None:
-        return failure
-    stage = failure.stage or stage or "a collective"
-    if isinstance(group, ReplicaGroup):  # the runtime names and handles a replica's failure
-        message = f"an fsync collective of a fault-tolerant step (fsync.ft) failed at {stage}."
-        return CollectiveError(message, stage=stage, backend=failure.backend, reports={})
-    steps = None if step is None else int(step)
-    record = {"stage": stage, "step": steps}
-    reports = _reports(group, start, record)
-    sync = (
-        f"step {steps} of its state"
-        if steps is not None
-        else f"the sync begun at c10d collective #{start} of its group"
-    )
-    message = f"an fsync collective failed at {stage}, in {sync}: {_who(reports, group)} {CAUSES}"
-    cause = failure.backend or str(failure)
-    return CollectiveError(message, stage=stage, backend=cause, reports=reports or {})
-
-
-def naming(call: Callable[[], _T], group: Group, *, step: Any = None) -> _T:
-    """``call()`` (an entry point's sync), a collective that fails in it ``named``.
-
-    Eager only: under ``torch.compile`` the call is traced, and the agreement, a
-    custom op, names its own failures at run time.
-    """
-    if torch.compiler.is_compiling():
-        return call()
-    start = sequence_number(group)
-    try:
-        return call()
-    except CollectiveError as failure:
-        raise named(failure, group, start, step=step) from failure
-
-
-def _who(reports: dict[int, dict[str, Any]] | None, group: Group) -> str:
-    """Words for which ranks reported the failure (and where), and which did not."""
-    if reports is None:
-        return (
-            "the group's store could not be reached to learn which ranks did not arrive (the "
-            "process that hosts it may be the one that died)."
-        )
-    stage = reports[rank(group)]["stage"]
-    alike = [r for r in sorted(reports) if reports[r]["stage"] == stage]
-    seen = f"{ranks_in_words(alike)} saw the failure there"
-    elsewhere = [r for r in sorted(reports) if r not in alike]
-    if elsewhere:
-        seen += ", " + ", ".join(f"rank {r} at {reports[r]['stage']}" for r in elsewhere)
-    missing = [r for r in range(size(group)) if r not in reports]
-    if not missing:
-        return (
-            f"every rank arrived ({seen}): they issued different collectives, or the link failed."
-        )
-    return (
-        f"{ranks_in_words(missing)} did not arrive (dead, hung, or not calling this sync: nothing "
-        f"reported within {REPORT_PATIENCE_S:g} s); {seen}."
-    )
-
-
-def _reports(group: Group, start: int, record: dict[str, Any]) -> dict[int, dict[str, Any]] | None:
-    """Every rank's record of this failure found in the group's store, this rank's first."""
-    try:
-        store = _store(group)
-        prefix = f"fsync/failed/{_group_name(group)}/{start}/"
-        me, n = rank(group), size(group)
-        store.set(prefix + str(me), json.dumps(record))
-        reports = {me: record}
-        deadline = time.monotonic() + REPORT_PATIENCE_S
-        while len(reports) < n:
-            for r in range(n):
-                if r not in reports and store.check([prefix + str(r)]):
-                    reports[r] = json.loads(store.get(prefix + str(r)))
-            if len(reports) == n or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        return reports
-    except Exception:  # no store, or its host is gone: say so rather than fail again
-        return None
-
-
-def _store(group: Group) -> Any:
+def store(group: Group) -> Any:
     """The c10d store of ``group``'s process group."""
     return _get_process_group_store(process_group(group))
 
@@ -765,7 +540,7 @@ def default_device(group: Group) -> torch.device:
     """Where small control tensors for ``group`` live (CPU for gloo, the GPU for NCCL)."""
     if isinstance(group, Recorder):
         return torch.device("cpu")
-    if isinstance(group, ReplicaGroup):
+    if isinstance(group, Standalone):
         return group.device
     backend = str(dist.get_backend(process_group(group)))
     if "gloo" in backend or not torch.cuda.is_available():

@@ -6,8 +6,14 @@ exchange the descriptions only when the agreement (``_agree``) found that they
 disagree; ``first_difference`` then names the first way a rank's differs from rank 0's,
 for the ``ValueError`` every rank raises.
 
-Owns: the descriptions and the words for their differences. May import: ``_plan``,
-``_trace`` (layers 0 to 2).
+On a disagreement, ``raise_disagreement`` gathers every rank's control vector and
+description and raises the one error every rank raises: a skipped sync, what some ranks
+found alone (``_agree.refuse``), or the first difference; ``check_fully_used`` names a
+leaf some ranks have no gradient for.
+
+Owns: the descriptions, the words for their differences and the errors raised on every
+rank. May import: ``_comm``, ``_failures``, ``_control``, ``_plan``, ``_trace`` (layer 3,
+above those).
 """
 
 from __future__ import annotations
@@ -16,8 +22,35 @@ import functools
 import json
 from typing import Any
 
+import torch
+
+from fsync import _comm, _failures
+from fsync._control import FOUND, SEQ
 from fsync._plan import PLAN_CACHE_SIZE
 from fsync._trace import python_at_trace_time
+
+_SKIPPED = (
+    "ranks are at different syncs of this group: {who}. A rank skipped a sync (a sync "
+    "written inside `if rank == 0:`, or a rank that ran out of data without active=False), "
+    "so its collectives would pair with another step's. Every rank must call every sync; a "
+    "rank without data passes active=False."
+)
+_OTHER_STATE_HERE = (
+    "its state belongs to another plan (its fingerprint differs from the plan of the gradients)"
+)
+OTHER_STATE = (
+    "state belongs to another plan (its fingerprint differs from the plan of the gradients) "
+    "on {who}. Pass the state that this sync's init returned, or the previous step's."
+)
+_REFUSED = (
+    "{who} cannot take part in this sync, so no rank sent its buckets (every rank raises this "
+    "error): {details}"
+)
+_PARTLY_UNUSED = (
+    "leaf {path!r} has a gradient on {have} but None on {lack}: a parameter unused on some "
+    "ranks. Pass find_unused=True to GradSync (DDP's find_unused_parameters=True) to average "
+    "it with zeros from the ranks that did not use it."
+)
 
 FIX = (
     "Every rank must pass the same tree (same structure, shapes, dtypes and layouts) with the "
@@ -120,3 +153,61 @@ def describe(
 ) -> str:
     """This rank's plan and options in words (JSON), exchanged only on a disagreement."""
     return _described(plan_description, hook, find_unused, divide_by, what, state)
+
+
+def raise_disagreement(
+    problem: str, control: torch.Tensor, description: str, group: _comm.Group
+) -> None:
+    mine = (control.tolist(), description)
+    everyone = _comm.all_gather_object(mine, group, control.device)
+    if problem == "found":
+        raise _found(everyone)
+    if problem == "seq":
+        steps = [c[SEQ] for c, _ in everyone]
+        where = ", ".join(f"rank {r} at sync {s}" for r, s in enumerate(steps))
+        raise ValueError(_SKIPPED.format(who=where))
+    descriptions = [json.loads(d) for _, d in everyone]
+    raise ValueError(f"{first_difference(descriptions)} {FIX}")
+
+
+def _found(everyone: list[tuple[list[int], str]]) -> Exception:
+    """Every rank's error for what some ranks found alone (``refuse``, or a stale state).
+
+    The error's type is the finders' own when they agree on it (a ``TypeError``
+    for a wrong leaf type, say), else ``ValueError``; a finder that is no check
+    of fsync's (``fn`` raised) makes it a ``RuntimeError``.
+    """
+    finders = [(r, _finding(d)) for r, (c, d) in enumerate(everyone) if c[FOUND]]
+    if all(found is None for _, found in finders):  # states made for another plan
+        return ValueError(OTHER_STATE.format(who=_failures.ranks_in_words([r for r, _ in finders])))
+    kinds = {"ValueError" if found is None else found[0] for _, found in finders}
+    details = "; ".join(
+        f"rank {r}: {_OTHER_STATE_HERE if found is None else found[1]}" for r, found in finders
+    )
+    message = _REFUSED.format(
+        who=_failures.ranks_in_words([r for r, _ in finders]), details=details
+    )
+    kind = kinds.pop() if len(kinds) == 1 else "ValueError"
+    return {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)(message)
+
+
+def _finding(description: str) -> tuple[str, str] | None:
+    """``(kind, message)`` of a rank that refused (see ``refuse``), else ``None``."""
+    found = json.loads(description).get("found")
+    return None if found is None else (found[0], found[1])
+
+
+def check_fully_used(
+    counts: torch.Tensor, used: torch.Tensor, active: int, description: str, group: _comm.Group
+) -> None:
+    """Raises on every rank where some active ranks have a gradient for a leaf and others
+    do not (``counts``, per tensor leaf, the ranks that have one)."""
+    partial = ((counts > 0) & (counts < active)).nonzero()
+    if partial.numel() == 0:
+        return
+    position = int(partial[0])
+    has = _comm.all_gather_object(bool(used[position]), group, used.device)
+    paths = [path for path, leaf in json.loads(description)["plan"]["leaves"] if leaf != "None"]
+    have = _failures.ranks_in_words([r for r, h in enumerate(has) if h])
+    lack = _failures.ranks_in_words([r for r, h in enumerate(has) if not h])
+    raise ValueError(_PARTLY_UNUSED.format(path=paths[position], have=have, lack=lack))

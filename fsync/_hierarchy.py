@@ -21,7 +21,7 @@ own, one 1-D leaf (``"bucket3/shard"``) per bucket, which ``hook.init`` receives
 and ``ctx.plan`` carries. The shards of all ranks of a node have the same
 shapes, so every rank has the same shard plan.
 
-Owns: the shard plan and the hierarchical stages. May import: ``_comm``, ``_tree``,
+Owns: the shard plan and the hierarchical stages. May import: ``_comm``, ``_groups``, ``_tree``,
 ``_trace``, ``_plan``, ``_pack``, ``_hook``, ``_apply`` (layers 1 to 6, below the reduce).
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 import optree
 import torch
 
-from fsync import _comm, _pack, _tree
+from fsync import _comm, _groups, _pack, _tree
 from fsync._apply import alone, apply_hook, bucket_stage, finish_hook, start_hook
 from fsync._hook import Hook, SyncContext
 from fsync._pack import shard_numel
@@ -215,7 +215,7 @@ class GatheringPipeline(Pipeline):
 
     def __init__(self, hook: Hook, state: Any, ctx: SyncContext) -> None:
         super().__init__(hook, state, ctx)
-        self._gathering: list[_comm.Issued] = []
+        self._gathering: list[_groups.Issued] = []
 
     def push(self, started: torch.Tensor) -> None:
         """The next bucket, in plan order (see ``Pipeline.push``); two before it gathered."""

@@ -73,6 +73,21 @@ class Recorder:
         """Appends one collective of ``op`` on ``x`` to ``calls``."""
         self.calls.append(Collective(op, x.dtype, x.numel(), control, self.dim))
 
+    def answer(
+        self, op: str, x: torch.Tensor, reduce_op: str = "sum", *, control: bool = False
+    ) -> torch.Tensor:
+        """Records ``op`` on ``x`` and returns its result as if every rank held ``x``: the
+        ranks' ``x`` concatenated for an all-gather, this rank's chunk for a reduce-scatter,
+        a sum ``world_size`` times ``x``."""
+        self.record(op, x, control=control)
+        if op == "all_gather":
+            return torch.cat([x] * self.world_size)
+        if op == "reduce_scatter":
+            x = x.chunk(self.world_size)[self.rank]
+        if op != "broadcast" and reduce_op == "sum":
+            return x * self.world_size
+        return x.clone()
+
     def along(self, dim: int) -> Recorder:
         """The recorder of one dim of a 2-D recorder: it appends to the same ``calls``."""
         return Recorder(self.shape[dim], 0, dim=dim, calls=self.calls)

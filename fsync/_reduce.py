@@ -37,9 +37,10 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fsync import _checks, _comm, _pack, _sparse, _tree
-from fsync._agree import Agreed, Terms, agree_on, refuse, state_words
+from fsync import _checks, _comm, _pack, _reports, _sparse, _tree
+from fsync._agree import Agreed, Terms, agree_on, refuse
 from fsync._apply import context
+from fsync._control import state_words
 from fsync._hierarchy import (
     GatheringPipeline,
     drained,
@@ -331,7 +332,7 @@ def sync_tree(grads: Any, options: SyncOptions, group: _comm.Group, *, active: b
         check_sparse_traced(plan)
     except (ValueError, TypeError) as error:
         return refuse(error, group, like=grads)
-    reduced = _comm.naming(
+    reduced = _reports.naming(
         lambda: reduce(leaves, plan, SyncCall(options, group, state), active=active), group
     )
     return rebuild(unpack_reduced(reduced, plan))

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from typing_extensions import Unpack
 
-from fsync import _checks, _comm, _grad, _planner, _state, _tree
+from fsync import _checks, _comm, _grad, _planner, _reports, _state, _tree
 from fsync._agree import planned, refuse, verify_plan
 from fsync._hook import Hook
 from fsync._options import OptionKeywords, SyncOptions
@@ -272,7 +272,7 @@ def _reduced(
     sync: GradSync, leaves: list[Any], plan: BucketPlan, state: SyncState, active: bool
 ) -> Reduced:
     """The one reduce at the state's step, a collective that fails in it named."""
-    return _comm.naming(
+    return _reports.naming(
         lambda: reduce(
             leaves,
             plan,

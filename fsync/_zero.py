@@ -30,7 +30,7 @@ completes, in plan order on every rank and after the ranks' agreement, its
 reduce is issued and the bucket before it is updated and gathered.
 
 ``replicated`` is the same pipeline with nothing split: its ``shard_group`` is this
-rank alone (``_comm.ALONE``), so the layout is a world of one that owns every bucket
+rank alone (``_groups.ALONE``), so the layout is a world of one that owns every bucket
 whole, the reduce an all-reduce over ``group``, and the gather the identity.
 
 Owns: the ZeRO step's entry points and its checkpoints. May import: every layer
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from fsync import _checks, _comm, _pack, _planner, _state, _tree
+from fsync import _checks, _comm, _groups, _pack, _planner, _reports, _state, _tree
 from fsync._agree import Agreement, planned, refuse, verify_plan
 from fsync._apply import context
 from fsync._backward import TorchFunc, synced_backward
@@ -269,7 +269,7 @@ def _call(step: ZeroStep, params: Any, grads: Any, state: ZeroState) -> tuple[An
         g_leaves = _fit(step, grads, state, "grads")[0].leaves
     except (ValueError, TypeError) as error:
         return refuse(error, step.group, like=(params, state))  # type: ignore[no-any-return]
-    buffers, opt_state, hook_state = _comm.naming(
+    buffers, opt_state, hook_state = _reports.naming(
         lambda: _stepped(step, p_leaves, g_leaves, layout, state), step.group, step=state.step
     )
     new_state = state._replace(hook=hook_state, opt=opt_state, step=state.step + 1)
@@ -543,7 +543,7 @@ def replicated(
         options=options,
         shard_buckets=False,
         group=group,
-        shard_group=_comm.ALONE,
+        shard_group=_groups.ALONE,
         update_in_backward=update_in_backward,
     )
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsync import _checks, _comm, _pack, _trace, _tree
+from fsync import _checks, _comm, _groups, _pack, _trace, _tree
 from fsync._plan import BucketPlan
 from fsync._state import register_state
 from fsync.optim._base import Optimizer
@@ -231,7 +231,7 @@ def shard_group(group: _comm.Group) -> _comm.Group:
     replica group's own ranks (``fsync.ft.ReplicaMesh``), each part replicated across
     replicas so that a dead replica's parts live on in its peers and a heal (rank ``r``
     from rank ``r`` of a peer) brings a rank its own part."""
-    if not isinstance(group, _comm.ReplicaGroup):
+    if not isinstance(group, _groups.ReplicaGroup):
         return group
     levels = _comm.hierarchy(group)
     if levels is None:
@@ -256,7 +256,7 @@ def start_gather(
     piece: torch.Tensor | None,
     dtype: torch.dtype,
     group: _comm.Group,
-) -> _comm.Issued:
+) -> _groups.Issued:
     """Bucket ``bucket`` whole on every rank from its pieces: issued, not waited for.
 
     ``piece`` is this rank's piece of it (``None`` where, owned whole by another

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsync import _comm, _tree
+from fsync import _comm, _groups, _tree
 from fsync._apply import alone, finish_bucket, start_bucket
 from fsync._hierarchy import pipelined, reduce_started, reduce_started_shards, start_within
 from fsync._hook import Hook, SyncContext
@@ -168,7 +168,7 @@ class ZeroPipeline:
         self._piece_of = {p.bucket: j for j, p in enumerate(update.layout.pieces)}
         self._started: list[torch.Tensor] = []
         self._reduced: list[torch.Tensor] | None = None
-        self._gathering: list[_comm.Issued] = []
+        self._gathering: list[_groups.Issued] = []
 
     def push(self, buffer: torch.Tensor) -> None:
         """The next dense bucket, packed, in plan order: its reduce issued where it can be

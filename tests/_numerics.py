@@ -99,7 +99,7 @@ def powersgd_full_rank_bound(
 
 
 # The ranks' agreement, which every sync sends before its buckets: one all-reduce of 13
-# int64 (see fsync/_agree.py), as (op, dtype, numel).
+# int64 (see fsync/_control.py), as (op, dtype, numel).
 AGREEMENT = ("all_reduce", torch.int64, 13)
 
 

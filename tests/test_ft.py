@@ -28,8 +28,8 @@ pytest.importorskip(
 
 import fsync
 import fsync.ft
-from fsync import _comm, _failures
-from fsync.ft import _heal, _torchft
+from fsync import _comm, _failures, _groups
+from fsync.ft import _heal, _quorum
 from tests import _replicas
 from tests.conftest import get_world
 
@@ -582,10 +582,13 @@ def test_the_replicas_buckets_are_on_the_wire_together_and_a_failure_names_its_b
     _comm.settle(group)
     assert registry() == 0 and not group.unsettled and ("wait", 3) not in failing.log
     # Over a replica group of several ranks each crossing is waited for at once (and agreed
-    # within), whatever the replicas' group does alone.
-    mesh = fsync.ft.ReplicaMesh(None, fsync.ft.ManagerGroup(_Manager()))
-    crossing, _ = _comm.hierarchy(mesh)
-    assert mesh.waits_at_once and crossing.waits_at_once
+    # within), whatever the replicas' group does alone: nothing of it is left in flight.
+    across = fsync.ft.ManagerGroup(_Manager())
+    across.live = True
+    crossing, _ = _comm.hierarchy(fsync.ft.ReplicaMesh(_groups.ALONE, across))
+    assert crossing.all_reduce(torch.ones(3), "sum").works == ()
+    assert torch.equal(_comm.all_reduce(torch.ones(3), "sum", crossing), torch.ones(3))
+    assert not across.unsettled
 
 
 def test_a_spare_replica_adds_zeros_and_a_lost_step_issues_nothing_more():
@@ -624,7 +627,7 @@ def test_without_torchft_the_error_names_the_extra(monkeypatch):
 
     monkeypatch.setattr(importlib, "import_module", missing)
     with pytest.raises(ImportError, match=r"pip install 'fsync\[ft\]'"):
-        _torchft.lighthouse()
+        fsync.ft.lighthouse()
 
 
 def test_a_step_without_collectives_meets_its_peers_where_the_quorum_changed():
@@ -672,18 +675,18 @@ def test_a_quorum_keeps_its_number_and_a_restarted_lighthouses_quorums_take_new_
         quorum(1, [b2, a], 5),  # a new lighthouse, replica 1 back (the survivor's old id)
         quorum(2, [a, b2], 6),  # and its next: the survivor's id before
     ]
-    survivor = _torchft._Renumbered(Client(rounds))
+    survivor = _quorum.Renumbered(Client(rounds))
     given = [survivor._quorum(timeout=None) for _ in rounds]
     numbers = [q.quorum_id for q in given]
     assert numbers[0] == numbers[1] and len(set(numbers[1:])) == 4, numbers
-    restarted = _torchft._Renumbered(Client([quorum(1, [a, b2], 5)]))
+    restarted = _quorum.Renumbered(Client([quorum(1, [a, b2], 5)]))
     assert restarted._quorum().quorum_id == numbers[3]  # the replicas agree on it
     assert survivor.lighthouse_id == 2 and survivor.should_commit() is True
     assert given[4].store_address == "s:1" and given[4].max_step == 6  # the rest as torchft's
     assert [q.quorum_id for q in rounds] == [1, 1, 2, 1, 2]  # torchft's own results untouched
 
 
-class _Mirror(_comm.ReplicaGroup):
+class _Mirror(_groups.ReplicaGroup):
     """A second replica group that holds what this one holds: a sum across doubles, a gather
     repeats. Records the elements each collective sends across."""
 
@@ -698,14 +701,14 @@ class _Mirror(_comm.ReplicaGroup):
 
     def all_reduce(self, x, op):
         self.sent.append(x.numel())
-        return _comm.Pending(x.mul_(2) if op == "sum" else x, ())
+        return _groups.Pending(x.mul_(2) if op == "sum" else x, ())
 
     def all_gather(self, x):
         self.sent.append(x.numel())
-        return _comm.Pending(torch.cat([x, x]), ())
+        return _groups.Pending(torch.cat([x, x]), ())
 
     def broadcast(self, x, src):
-        return _comm.Pending(x, ())
+        return _groups.Pending(x, ())
 
 
 class _Broken:
@@ -725,7 +728,7 @@ class _FailsHere(_Mirror):
 
     def all_reduce(self, x, op):
         done = super().all_reduce(x, op)
-        return _comm.Pending(x, (_Broken(),)) if len(self.sent) == self.fail_at else done
+        return _groups.Pending(x, (_Broken(),)) if len(self.sent) == self.fail_at else done
 
 
 def _on_rank_a_crossing_failed_on_one_rank(entry):

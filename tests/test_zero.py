@@ -22,7 +22,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
-from fsync import _comm, _tree
+from fsync import _comm, _groups, _tree
 from fsync._failures import REPORT_PATIENCE_S
 from fsync._pack import shard_numel
 from tests._models import (
@@ -365,7 +365,7 @@ def _on_rank_replicated():
         step, sync = fsync.ops.replicated(opt, **SMALL), fsync.GradSync(**SMALL)
         state = step.init(start)
         layout = step.layout(state)
-        assert step.shard_group is _comm.ALONE and layout.world_size == 1
+        assert step.shard_group is _groups.ALONE and layout.world_size == 1
         assert len(layout.plan.buckets) >= 3 and set(layout.owners) == {0}
         assert _nbytes(state.opt) == _nbytes(opt.init(start))  # whole on every rank
         call = step.value_and_step(linear_loss)
@@ -386,7 +386,7 @@ def _on_rank_replicated():
             # Each bucket's "gather" is a broadcast from this rank to itself: the identity.
             buckets = len(layout.plan.buckets)
             assert len(sent.call_args_list) == 2 * buckets, sent.call_args_list
-            assert all(c.args[2] is _comm.ALONE for c in sent.call_args_list)
+            assert all(c.args[2] is _groups.ALONE for c in sent.call_args_list)
             synced, sync_state = sync(grads, sync_state)
             expected, opt_state = opt.update(expected, synced, opt_state)
             # The gradient of the linear loss is ``grads``, bit for bit.

@@ -4,7 +4,10 @@
 guide "Fault tolerance" (docs/fault-tolerance.md).
 """
 
-from fsync.ft._torchft import ManagerGroup, QuorumError, ReplicaMesh, lighthouse
+from fsync.ft._connect import lighthouse
+from fsync.ft._manager_group import ManagerGroup
+from fsync.ft._mesh import ReplicaMesh
+from fsync.ft._quorum import QuorumError
 from fsync.ft._transaction import Outcome, Replica
 
 __all__ = ["ManagerGroup", "Outcome", "QuorumError", "Replica", "ReplicaMesh", "lighthouse"]

@@ -21,8 +21,8 @@ Nothing but ``fn``'s own errors leaves the step: a disagreement between live
 replicas is still a ``ValueError`` everywhere, and a replica that joins with
 another tree or other options gets a ``ValueError`` at its heal, alone.
 
-Owns: the transaction. May import: ``_comm``,
-``fsync.ft._torchft``, ``fsync.ft._heal``.
+Owns: the transaction. May import: ``_comm``, ``_groups``, ``_failures``,
+``fsync.ft._manager_group``, ``fsync.ft._mesh``, ``fsync.ft._connect``, ``fsync.ft._heal``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsync import _comm, _failures
-from fsync.ft import _heal, _torchft
+from fsync import _comm, _failures, _groups
+from fsync.ft import _connect, _heal, _manager_group, _mesh
 
 _ASYNC_QUORUM = (
     "the Manager was made with use_async_quorum=True; a transaction needs its quorum (and a "
@@ -116,10 +116,10 @@ class Replica:
         if getattr(manager, "_use_async_quorum", False):
             raise ValueError(_ASYNC_QUORUM)
         self.manager = manager
-        self._replicas = _torchft.ManagerGroup(manager, device=device, lighthouse=lighthouse)
-        self.group: _comm.ReplicaGroup = self._replicas
+        self._replicas = _manager_group.ManagerGroup(manager, device=device, lighthouse=lighthouse)
+        self.group: _groups.ReplicaGroup = self._replicas
         if within is not None:
-            self.group = _torchft.ReplicaMesh(within, self._replicas)
+            self.group = _mesh.ReplicaMesh(within, self._replicas)
         self._exchange = _heal.Exchange()  # what heals a peer, and what healed this one
         manager.register_state_dict_fn("fsync", self._exchange.load, self._exchange.save)
 
@@ -132,7 +132,7 @@ class Replica:
         min_replicas: int = 1,
         timeout: datetime.timedelta = datetime.timedelta(seconds=30),
         quorum_timeout: datetime.timedelta = datetime.timedelta(seconds=60),
-        lighthouse_outage: datetime.timedelta = _torchft.LIGHTHOUSE_OUTAGE,
+        lighthouse_outage: datetime.timedelta = _connect.LIGHTHOUSE_OUTAGE,
         rank: int = 0,
         world_size: int = 1,
         store: tuple[str, int] | None = None,
@@ -167,7 +167,7 @@ class Replica:
                 ``within``.
             QuorumError: The lighthouse was out of reach for ``lighthouse_outage``.
         """
-        made = _torchft.manager(
+        made = _connect.manager(
             lighthouse_addr,
             replica_id,
             min_replicas=min_replicas,
@@ -213,11 +213,9 @@ class Replica:
         with "transport error". A rank that is gone already ends the meeting early (the
         group's timeout at most); the Manager is shut down either way.
         """
-        if isinstance(self.group, _torchft.ReplicaMesh):  # a rank gone has no answer to wait for
+        if isinstance(self.group, _mesh.ReplicaMesh):  # a rank gone has no answer to wait for
             with contextlib.suppress(_failures.CollectiveError):
-                _torchft.meet_within(
-                    self.group.within, "the replica group's ranks meeting to close"
-                )
+                _mesh.meet_within(self.group.within, "the replica group's ranks meeting to close")
         self.manager.shutdown(wait=False)
 
 
