@@ -142,14 +142,15 @@ def ft_training(
     return replica.step(train), State(params, opt.init(params), sync.init(params))
 
 
+def timeouts() -> dict[str, Any]:
+    """Every Manager's timeouts on this page, as ``Replica.connect`` and torchft take them."""
+    seconds = {"timeout": TIMEOUT_S, "quorum_timeout": QUORUM_TIMEOUT_S}
+    return {name: datetime.timedelta(seconds=s) for name, s in seconds.items()}
+
+
 def connect(lighthouse: str, replica_id: str) -> fsync.ft.Replica:
     """This page's replica: ``Replica.connect`` with its timeouts."""
-    return fsync.ft.Replica.connect(
-        lighthouse,
-        replica_id=replica_id,
-        timeout=datetime.timedelta(seconds=TIMEOUT_S),
-        quorum_timeout=datetime.timedelta(seconds=QUORUM_TIMEOUT_S),
-    )
+    return fsync.ft.Replica.connect(lighthouse, replica_id=replica_id, **timeouts())
 
 
 def ft_fsync(load: Load, cap: float | None, lighthouse: str) -> Built:
@@ -202,17 +203,12 @@ def torchft_ddp(load: Load, cap: float | None, lighthouse: str) -> Built:
     from torchft.optim import OptimizerWrapper
 
     from benchmarks.harness import Built
+    from benchmarks.steps import autograd_step
     from fsync.ft import _connect
 
     work = load.build()
     rank = dist.get_rank()
-    batch = work.batch(rank)
-    manager = _connect.manager(
-        lighthouse,
-        f"replica_{rank}",
-        timeout=datetime.timedelta(seconds=TIMEOUT_S),
-        quorum_timeout=datetime.timedelta(seconds=QUORUM_TIMEOUT_S),
-    )
+    manager = _connect.manager(lighthouse, f"replica_{rank}", **timeouts())
     model = DistributedDataParallel(manager, work.model, **caps(cap))
     optimizer = OptimizerWrapper(manager, torch.optim.AdamW(model.parameters(), lr=LR))
 
@@ -224,12 +220,10 @@ def torchft_ddp(load: Load, cap: float | None, lighthouse: str) -> Built:
         optimizer.load_state_dict(sent["optim"])
 
     manager.register_state_dict_fn("ddp", restore, save)
-    calls = [0]
+    train, calls = autograd_step(work, model, work.batch(rank), optimizer), [0]
 
     def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        torch.autograd.backward(work.loss(model, batch))
-        optimizer.step()
+        train()
         calls[0] += 1
 
     return Built(step, lambda: _commits(manager, calls[0]))
@@ -320,8 +314,7 @@ def recovery(load: Load, *, kill_at: int, after: int, deadline_s: float) -> dict
     steps and is restarted at once; once it has committed ``after`` steps, both stop a few
     steps later. Returns :func:`timeline` of their logs."""
     lighthouse = fsync.ft.lighthouse(min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = page.children_env({"OMP_NUM_THREADS": "1", "RUST_LOG": "error"})
     with tempfile.TemporaryDirectory(prefix="fsync-ft-") as tmp:
         out = pathlib.Path(tmp)
         base = {"lighthouse": local(lighthouse.address()), "dir": tmp, "load": list(load)}
@@ -465,7 +458,6 @@ def measure(args: argparse.Namespace, rate: str, env: Mapping[str, str]) -> dict
 
     os.environ.setdefault("RUST_LOG", "error")  # the lighthouses' log: errors only
     out: dict[str, Any] = {"steps": {}, "recovery": {}}
-    timing = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
     for load, cap in itertools.product(loads(args.smoke), CAPS[rate]):
         started = time.perf_counter()
         made = {
@@ -475,7 +467,9 @@ def measure(args: argparse.Namespace, rate: str, env: Mapping[str, str]) -> dict
         try:
             addresses = {name: local(lighthouse.address()) for name, lighthouse in made.items()}
             out["steps"][row_key(load, cap, None)] = harness.turns(
-                row_settings(load, cap, addresses), **timing, env={**env, "RUST_LOG": "error"}
+                row_settings(load, cap, addresses),
+                **page.timing(args),
+                env={**env, "RUST_LOG": "error"},
             )
         finally:
             for lighthouse in made.values():
@@ -513,8 +507,7 @@ def targets(results: Mapping[str, Any]) -> list[Target]:
     rate or a row was not run."""
 
     def ratio(rate: str, key: str, name: str, base: str) -> Spread | None:
-        row: Row | None = results.get(rate, {}).get("steps", {}).get(key)
-        return table.ratio(row, name, base) if row else None
+        return table.ran(results.get(rate, {}).get("steps", {}).get(key), name, base)
 
     out: list[Target] = []
     keys = [str(load) for load in loads(False)]
@@ -560,8 +553,7 @@ def tables(results: Mapping[str, Any]) -> list[tuple[Table, str]]:
                 info = row["info"][name][0]
                 return [f"{info['committed']}/{info['steps']}" if "steps" in info else "-"]
 
-            for line in table.timings(row, PLAIN, TORCHFT_DDP, extra=committed):
-                cells.append([f"{key}: {line[0]}", *line[1:]])
+            cells += table.timings(row, PLAIN, TORCHFT_DDP, extra=committed, prefix=f"{key}: ")
         header = ["", "ms", "vs plain fsync", "vs torchft DDP", "steps committed"]
         title = f"Step time without failures, {label(rate)}"
         out.append(((title, header, cells), STEPS_NOTE if rate == "unshaped" else ""))
@@ -708,7 +700,7 @@ PAGE = page.Page(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = page.parse(PAGE, argv, __doc__.split("\n\n")[0])
+    args = page.parse(PAGE, argv)
     if args.replica:
         replica(json.loads(args.replica))
         return 0

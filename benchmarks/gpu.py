@@ -111,11 +111,9 @@ def run_part(part: Part, cuda: bool, workdir: pathlib.Path, env: dict[str, str])
         command = [sys.executable, "-m", "pytest", *CUDA_TESTS, "-v", "-p", "no:cacheprovider"]
         done = page.run_child([*command, f"--junitxml={junit}"], limit_s=part.limit_s, env=env)
         found: Any = read_outcomes(junit, done.output)
-    else:
-        result = workdir / f"{part.name}.json"
-        command = [sys.executable, __file__, "--child", part.name, "--json", str(result)]
-        done = page.run_child(command, limit_s=part.limit_s, env=env)
-        found = json.loads(result.read_text()) if result.exists() else None
+    else:  # what the part saved last, if it was killed
+        command = [sys.executable, __file__, "--child", part.name]
+        done, found = page.child_json(command, limit_s=part.limit_s, env=env)
     note = "" if done.status == "ok" else tail(done.output)
     return Outcome(done.status, done.seconds, part.limit_s, found, note)
 
@@ -529,13 +527,6 @@ PART_FUNCTIONS: dict[str, Callable[[Save], None]] = {
 # --- the command ---------------------------------------------------------------------------------
 
 
-def _write(path: pathlib.Path, found: Any) -> None:
-    """``found`` as JSON at ``path``, whole or not at all (a part may be killed meanwhile)."""
-    draft = path.with_suffix(".draft")
-    draft.write_text(json.dumps(found))
-    draft.replace(path)
-
-
 def _cuda_available(environment: Outcome | None) -> bool:
     """Whether torch sees a GPU: the environment part's answer, else this process's."""
     if environment is not None and isinstance(environment.result, dict):
@@ -559,7 +550,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:  # one part, its result as JSON
-        PART_FUNCTIONS[args.child](lambda found: _write(args.json, found))
+        PART_FUNCTIONS[args.child](lambda found: page.save_json(args.json, found))
         return 0
     started = time.monotonic()
     cuda = None  # as the environment part finds it (it runs first), or as torch here says
@@ -577,10 +568,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"    {outcome.status} in {outcome.seconds:.0f} s {outcome.note}", flush=True)
         reports = read_reports(workdir / "reports")
     cuda = _cuda_available(outcomes.get("environment")) if cuda is None else cuda
-    page = render(outcomes, reports, cuda=cuda, seconds=time.monotonic() - started)
+    text = render(outcomes, reports, cuda=cuda, seconds=time.monotonic() - started)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / PAGE).write_text(page)
-    print(page)
+    (args.out / PAGE).write_text(text)
+    print(text)
     return 0
 
 

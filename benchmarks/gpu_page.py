@@ -56,10 +56,7 @@ def render(
         *_intro(outcomes.get("environment"), cuda, seconds),
         table.markdown(["Part", "Status", "Seconds", "Limit (s)"], parts),
         "",
-        "## Targets",
-        "",
-        table.markdown(["Target", "Found", ""], targets),
-        "",
+        *table.section(("Targets", ["Target", "Found", ""], targets)),
     ]
     for section in sections:
         lines += section.lines
@@ -106,12 +103,8 @@ def _intro(environment: Outcome | None, cuda: bool, seconds: float) -> list[str]
 def _tests(outcome: Outcome | None) -> Section:
     found = _result(outcome, list) or []
     target = "Every CUDA test passes"
-    lines = [
-        "## 1. The CUDA tests",
-        "",
-        "`python -m pytest tests/test_cuda.py tests/test_cuda_streams.py` on the GPU.",
-        "",
-    ]
+    command = "`python -m pytest tests/test_cuda.py tests/test_cuda_streams.py` on the GPU."
+    lines = table.heading("1. The CUDA tests", command)
     if not found:
         return Section(lines + _not_run(outcome, "pytest"), [(target, "-", None)])
     counts = {kind: sum(t["outcome"] == kind for t in found) for kind in ("passed", "skipped")}
@@ -135,9 +128,8 @@ def _parity(tests: Outcome | None, reports: dict[str, Any]) -> Section:
     target = "2 ranks over gloo with CUDA tensors: DDP's results bit for bit where layouts agree"
     found = f"{sum(r['ok'] for r in exact)} of {len(exact)} checks" if exact else "-"
     targets = [(target, found, all(r["ok"] for r in exact) if exact else None)]
-    lines = [
-        "## 2. Two ranks on one GPU over gloo, CUDA tensors, against DDP",
-        "",
+    lines = table.heading(
+        "2. Two ranks on one GPU over gloo, CUDA tensors, against DDP",
         "Each check runs on both ranks; a row holds the worse of the two. On two ranks the mean "
         "`a * 0.5 + b * 0.5` is the exact mean rounded once, whatever the bucket layout: "
         "fsync's results must be DDP's bit for bit wherever the local gradients are "
@@ -146,8 +138,7 @@ def _parity(tests: Outcome | None, reports: dict[str, Any]) -> Section:
         "gradients as CPU tensors, but quantisation against DDP's hook operations step by step "
         "on the GPU (CUDA divides by a Python number as a product by its reciprocal, and so do "
         "DDP's hooks there). From `tests/test_cuda.py`.",
-        "",
-    ]
+    )
     if not rows:
         return Section(lines + _no_figures(tests), targets)
     cells = [
@@ -172,9 +163,8 @@ def _streams(tests: Outcome | None, reports: dict[str, Any]) -> Section:
     if runs:
         met = all((r["equal"] == r["steps"]) == (r["patch"] == "as shipped") for r in runs)
     found = "; ".join(f"{r['setting']}, {r['patch']}: {r['equal']}/{r['steps']}" for r in runs)
-    lines = [
-        "## 3. The eager gradient call's stream handoff, under stress",
-        "",
+    lines = table.heading(
+        "3. The eager gradient call's stream handoff, under stress",
         "`fsync.grad_and_value` on two ranks with the forward pass (so autograd's copies into "
         "the buckets) on side streams, and a sleep queued on the producing stream before every "
         "layer's backward; DDP on the same processes is the reference at every step. Busy: the "
@@ -183,8 +173,7 @@ def _streams(tests: Outcome | None, reports: dict[str, Any]) -> Section:
         "keep only the event of the stream that completed the bucket (fsync before it waited "
         "for every stream that wrote into one): they must differ from DDP, or the check has no "
         "teeth. From `tests/test_cuda_streams.py`.",
-        "",
-    ]
+    )
     if not runs:
         return Section(lines + _no_figures(tests), [(target, "-", None)])
     cells = [
@@ -213,9 +202,8 @@ def _kernels(outcome: Outcome | None) -> Section:
     mean = f"`1/{result['mean_of']}`" if "mean_of" in result else "factor"
     calls = f" over {result['calls']} calls" if "calls" in result else ""
     cap = f"{result['bucket_mb']:g} MiB" if "bucket_mb" in result else "DDP's cap"
-    lines = [
-        "## 4. The compiled sync's kernels",
-        "",
+    lines = table.heading(
+        "4. The compiled sync's kernels",
         "Gradient trees shaped like each workload's parameters, in DDP's bucket layout with "
         f"buckets of {cap} from the first (DDP's first is 1 MiB; the targets concern buckets of "
         f"{FROM_MIB} MiB and more). Pack + scale is `fsync.pack` and a mean's {mean} under "
@@ -225,8 +213,7 @@ def _kernels(outcome: Outcome | None) -> Section:
         "the bytes read and written once; the copy is a device-to-device copy of the same bytes "
         "in the buckets' sizes. Unpack gives views of the buckets where the layouts allow: no "
         "kernel, no bytes.",
-        "",
-    ]
+    )
     targets: list[Target] = [
         (f"Compiled sync: at most {MOST_KERNELS} kernels per bucket each way", "-", None),
         (
@@ -290,9 +277,8 @@ def _gpt(outcome: Outcome | None) -> Section:
     figures = _result(outcome, dict)
     clean = "Compiled GPT step: no graph break, no recompile after step 2"
     fast = "Compiled GPT step at world 1 no slower than DDP compiled"
-    lines = [
-        "## 5. The compiled GPT step on one GPU",
-        "",
+    lines = table.heading(
+        "5. The compiled GPT step on one GPU",
         "`benchmarks/models.py`'s GPT, NCCL with one rank (fsync issues no collective there, "
         "DDP its all-reduces), SGD. The fsync step is `fsync.grad_and_value` then "
         "`fsync.optim.sgd`'s update, all under `fsync.compile`; DDP compiled is `torch.compile` "
@@ -300,8 +286,7 @@ def _gpt(outcome: Outcome | None) -> Section:
         "turns: the median over 10 rounds of 5 steps each; a ratio is taken round by round and "
         "given as `median [lowest, highest]` over the rounds; the target is judged on the "
         "median.",
-        "",
-    ]
+    )
     if figures is None:
         return Section(lines + _not_run(outcome), [(clean, "-", None), (fast, "-", None)])
     breaks, recompiles = figures["graph_breaks"], figures["recompiles_after_step_2"]

@@ -26,17 +26,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-import fsync
-from benchmarks import harness, page, table
+from benchmarks import harness, page, steps, table
 from benchmarks.harness import Built
-from benchmarks.models import gpt
+from benchmarks.models import host_bound
 from benchmarks.steps import setting
 from benchmarks.table import Spread
 
 BLOCKS = (3, 12, 48)  # 6 + 12 x blocks leaves: 42, 150, 582
 HOWS = ("module", "DDP", "autograd", "fsync")
+# The calls :mod:`benchmarks.steps` makes, by their names there ("autograd" is this module's).
+SHARED = {"module": steps.MODULE_BACKWARD, "DDP": steps.DDP_BACKWARD, "fsync": steps.FSYNC_CALL}
 CALLS = {"DDP": "module", "fsync": "autograd"}  # each call and the floor it adds to
 TIMING = page.Timing(rounds=15, steps=20, warmup=5)
 
@@ -44,20 +44,10 @@ TIMING = page.Timing(rounds=15, steps=20, warmup=5)
 def _call(blocks: int, how: str) -> Callable[[], object]:
     """One gradient call, ``how``: ``"module"``, ``"DDP"``, ``"autograd"`` (the functional
     loss's leaves made differentiable, then ``torch.autograd.grad``) or ``"fsync"``."""
-    work = gpt(n_layer=blocks, d_model=32, vocab_size=64, block_size=8, batch=1, n_head=2)
-    batch = work.batch(dist.get_rank())
-    if how in ("module", "DDP"):
-        model = work.model if how == "module" else DDP(work.model)
-
-        def backward() -> None:
-            model.zero_grad(set_to_none=True)
-            torch.autograd.backward(work.loss(model, batch))
-
-        return backward
-    params = work.params()
-    if how == "fsync":
-        synced = fsync.grad_and_value(work.functional_loss)
-        return lambda: synced(params, batch)
+    work = host_bound(blocks)
+    if how in SHARED:
+        return steps.gradient_call(work, SHARED[how])
+    params, batch = work.params(), work.batch(dist.get_rank())
 
     def autograd() -> None:
         leaves = {k: p.detach().requires_grad_() for k, p in params.items()}
@@ -121,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = page.settle(parser.parse_args(argv), TIMING)
     rows = []
     for world in map(int, args.worlds.split(",")):
-        timing = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
-        only = setting("all calls", measured, **timing)
+        only = setting("all calls", measured, **page.timing(args))
         row = harness.turns([only], rounds=1, steps=1, warmup=0, node=harness.Node(local=world))
         assert row is not None
         rows += _rows(world, row["info"]["all calls"][0])

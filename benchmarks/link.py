@@ -154,8 +154,7 @@ def memory_step(load: Load, name: str) -> Callable[[], object]:
 def measure(args: argparse.Namespace, rate: str, env: Mapping[str, str]) -> dict[str, Any]:
     """Every row of ``rate`` (the loopback already shaped to it); ``env`` set in every
     setting's processes."""
-    timing: dict[str, Any] = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
-    timing["env"] = env
+    timing: dict[str, Any] = {**page.timing(args), "env": env}
     memory = {**timing, "rounds": 1, "warmup": 1, "follow_rss": True}
 
     out: dict[str, Any] = {}
@@ -192,8 +191,7 @@ def targets(results: dict[str, Any]) -> list[table.Target]:
         return row
 
     def ratio(rate: str, key: str, name: str) -> Spread | None:
-        row = at(rate, key)
-        return table.ratio(row, name, DDP_EAGER) if row else None
+        return table.ran(at(rate, key), name, DDP_EAGER)
 
     mlp, compiled, out = "MLP, batch 256", "fsync compiled", []
     out.append(
@@ -231,10 +229,9 @@ def targets(results: dict[str, Any]) -> list[table.Target]:
             table.check("sync alone, compiled <= 1.05x the flat all-reduce, 8 Gbit/s", s, 1.05)
         )
     for name, row in results.get("unshaped", {}).get("memory", {}).items():
-        extra = row["memory"][GAV]["peak"] - row["memory"][DDP_EAGER]["peak"]
         text = f"{name}, batch {MEMORY_BATCH}: grad_and_value eager's peak RSS <= DDP eager's"
         text += f" + one bucket ({CAP_MB:g} MiB)"
-        out.append((text, f"{extra:+.1f} MiB ({extra / CAP_MB:+.2f} buckets)", extra <= CAP_MB))
+        out.append(table.within_bucket(text, row, GAV, DDP_EAGER, CAP_MB))
     zero_rows = {rate: at.get("zero", {}) for rate, at in results.items()}
     return out + zero.targets(zero_rows, results.get("unshaped", {}).get("zero memory", {}))
 
@@ -286,9 +283,8 @@ def tables(results: dict[str, Any]) -> list[tuple[table.Table, str]]:
             title = f"{name}: step time at batch 64 and 256, unshaped and at 8 Gbit/s (ms)"
             out.append(((title, header, _columns(results, columns)), ""))
     if memory := results.get("unshaped", {}).get("memory"):
-        _, header, cells = table.memory(memory, DDP_EAGER, CAP_MB)
         title = f"Memory: peak RSS of the eager step, batch {MEMORY_BATCH}, unshaped"
-        out.append(((title, header, cells), MEMORY_NOTE))
+        out.append((table.memory(title, memory, DDP_EAGER, CAP_MB), MEMORY_NOTE))
     where = "8gbit" if "8gbit" in results else next(iter(results), "")
     at = results.get(where, {})
     for k in ("MLP, batch 64", "MLP, batch 256, 25 MiB buckets"):
@@ -455,11 +451,7 @@ PAGE = Page(
 )
 
 
-def main(argv: list[str] | None = None) -> int:
-    return page.main(PAGE, argv, __doc__.split("\n\n")[0])
-
-
 if __name__ == "__main__":
     from benchmarks import link  # this module by name, so that its builders pickle
 
-    sys.exit(link.main())
+    sys.exit(page.main(link.PAGE))

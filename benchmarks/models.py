@@ -42,6 +42,13 @@ class Workload:
     def params(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
+    def grads(self, rank: int) -> dict[str, torch.Tensor]:
+        """``rank``'s local gradients: of the functional loss on its batch."""
+        grads: dict[str, torch.Tensor] = torch.func.grad(self.functional_loss)(
+            self.params(), self.batch(rank)
+        )
+        return grads
+
     @property
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -120,6 +127,12 @@ def gpt(
 HOST_BOUND = "host-bound GPT"
 
 
+def host_bound(blocks: int = 12) -> Workload:
+    """The host-bound GPT: ``blocks`` blocks of width 32 (2 heads) on one sequence of 8
+    tokens, 6 + 12 x ``blocks`` parameter leaves and almost no arithmetic."""
+    return gpt(n_layer=blocks, d_model=32, vocab_size=64, block_size=8, batch=1, n_head=2)
+
+
 class Load(NamedTuple):
     """A workload by name and batch per rank (the GPT's batch counts tokens, in sequences of
     ``GPT_BLOCK``): a small value that a page hands to the processes that build it.
@@ -145,8 +158,7 @@ class Load(NamedTuple):
         if self.name == "deep MLP":
             return deep_mlp(batch=self.batch, scale=scale, **({"depth": 3} if self.smoke else {}))
         if self.name == HOST_BOUND:
-            blocks = 2 if self.smoke else 12
-            return gpt(n_layer=blocks, d_model=32, vocab_size=64, block_size=8, batch=1, n_head=2)
+            return host_bound(2 if self.smoke else 12)
         if self.name != "GPT":
             raise ValueError(
                 f"no workload {self.name!r}; expected MLP, deep MLP, GPT or {HOST_BOUND}"

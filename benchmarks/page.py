@@ -20,13 +20,15 @@ measured). The page prints its tables and targets, then writes its file: a title
 intro, the figures, the targets, the tables (each with the note above it).
 
 ``gpu.py``, whose parts are not rates, runs them as children the same way
-(:func:`run_child`, each under a time limit) and writes its page with the same tables.
+(:func:`child_json`, each under a time limit, a part saving what it has found as it goes:
+:func:`save_json`) and writes its page with the same tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import pathlib
@@ -98,9 +100,11 @@ class Page:
     saved: str | None = None
 
 
-def parse(page: Page, argv: Sequence[str] | None, description: str) -> argparse.Namespace:
-    """``page``'s flags read from ``argv``; ``--smoke`` and the page's defaults applied."""
-    parser = argparse.ArgumentParser(description=description)
+def parse(page: Page, argv: Sequence[str] | None, description: str = "") -> argparse.Namespace:
+    """``page``'s flags read from ``argv``; ``--smoke`` and the page's defaults applied. The
+    help's description: the first paragraph of the page module's docstring, unless given."""
+    doc = importlib.import_module(page.module).__doc__ or ""
+    parser = argparse.ArgumentParser(description=description or doc.split("\n\n")[0])
     turn_flags(parser, page.timing)
     parser.add_argument("--out", type=pathlib.Path, default=DOCS, help="the page's folder")
     parser.add_argument("--no-report", action="store_true", help="print only")
@@ -143,6 +147,17 @@ def settle(args: argparse.Namespace, timing: Timing) -> argparse.Namespace:
     return args
 
 
+def turn_args(args: argparse.Namespace) -> list[str]:
+    """The flags that give a child (a rate, a part, another page) this run's turns."""
+    turns = [f"--{name}={getattr(args, name)}" for name in Timing._fields]
+    return ["--smoke", *turns] if args.smoke else turns
+
+
+def timing(args: argparse.Namespace) -> dict[str, Any]:
+    """This run's turns, as :func:`benchmarks.harness.turns` takes them."""
+    return {name: getattr(args, name) for name in Timing._fields}
+
+
 def listed(options: Sequence[str]) -> Callable[[str], list[str]]:
     """A flag's type: a comma-separated list of ``options``."""
 
@@ -155,9 +170,9 @@ def listed(options: Sequence[str]) -> Callable[[str], list[str]]:
     return words
 
 
-def main(page: Page, argv: Sequence[str] | None = None, description: str = "") -> int:
+def main(page: Page, argv: Sequence[str] | None = None) -> int:
     """``page``'s command line: a child measures its rate; else the page is made."""
-    return run(page, parse(page, argv, description))
+    return run(page, parse(page, argv))
 
 
 def run(page: Page, args: argparse.Namespace) -> int:
@@ -166,7 +181,7 @@ def run(page: Page, args: argparse.Namespace) -> int:
         found = page.measure(args, args.child, {})
         if found is not None:  # on two nodes: node 0's
             assert args.json is not None, "--child writes to --json PATH"
-            args.json.write_text(json.dumps(found))
+            save_json(args.json, found)
         return 0
     report(page, args)
     return 0
@@ -202,9 +217,8 @@ def measure(page: Page, args: argparse.Namespace) -> Results:
             if rate in LOCAL:
                 found = page.measure(args, rate, env)
             else:
-                command = [sys.executable, "-m", page.module, "--child", rate]
-                command += [f"--{n}={getattr(args, n)}" for n in ("rounds", "steps", "warmup")]
-                found = at_rate([*command, *(["--smoke"] if args.smoke else [])], rate, args, env)
+                command = [sys.executable, "-m", page.module, "--child", rate, *turn_args(args)]
+                found = at_rate(command, rate, args, env)
             if found is None:  # not root: the page shows what ran
                 break
             results[rate] = found
@@ -241,28 +255,53 @@ def at_rate(
 ) -> Results | None:
     """Runs a page's child ``command`` for one shaped ``rate`` under ``args.tool --rate RATE
     --`` (``slownet`` takes the command's words; ``twonodes`` runs it on both nodes, as one
-    line for bash) and returns the JSON it writes to the path given after ``--json`` (added
-    here). ``None`` where the tool cannot make its network (not root)."""
+    line for bash) and returns the JSON it writes (:func:`child_json`). ``None`` where the
+    tool cannot make its network (not root)."""
     tool: pathlib.Path = args.tool
-    with tempfile.TemporaryDirectory(prefix="fsync-rate-") as tmp:
-        path = pathlib.Path(tmp) / "results.json"
-        command = [*command, "--json", str(path)]
-        line = tool.name == "twonodes"
-        command = [str(tool), "--rate", rate, "--", *([shlex.join(command)] if line else command)]
-        done = run_child(command, env=children_env(env), capture=False)
-        if done.code == NOT_ROOT:
-            print(f"{tool.name} could not make its network for {rate} (it needs root)", flush=True)
-            return None
-        if done.status != "ok":
-            raise RuntimeError(f"{shlex.join(command)}: {done.status} (exit {done.code})")
-        results: Results = json.loads(path.read_text())
-        return results
+
+    def inside(line: list[str]) -> list[str]:
+        words = [shlex.join(line)] if tool.name == "twonodes" else line
+        return [str(tool), "--rate", rate, "--", *words]
+
+    done, results = child_json(command, wrap=inside, env=children_env(env), capture=False)
+    if done.code == NOT_ROOT:
+        print(f"{tool.name} could not make its network for {rate} (it needs root)", flush=True)
+        return None
+    if done.status != "ok":
+        raise RuntimeError(f"{shlex.join(inside(command))}: {done.status} (exit {done.code})")
+    return results  # type: ignore[no-any-return]
 
 
 def children_env(more: Mapping[str, str]) -> dict[str, str]:
     """This process's environment with the repository first on ``PYTHONPATH``, and ``more``."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, **more}
+
+
+def save_json(path: pathlib.Path, found: Any) -> None:
+    """``found`` as JSON at ``path``, whole or not at all (a child may be killed meanwhile:
+    what it saved last is still read)."""
+    draft = path.with_suffix(".draft")
+    draft.write_text(json.dumps(found))
+    draft.replace(path)
+
+
+def child_json(
+    command: Sequence[str],
+    *,
+    wrap: Callable[[list[str]], list[str]] = list,
+    limit_s: float | None = None,
+    env: Mapping[str, str] | None = None,
+    capture: bool = True,
+) -> tuple[Child, Any]:
+    """Runs ``command --json PATH`` (:func:`run_child`; ``wrap`` makes the line that runs it,
+    inside a tool) and returns how it ended and the JSON it left at ``PATH`` (``None``:
+    none)."""
+    with tempfile.TemporaryDirectory(prefix="fsync-child-") as tmp:
+        path = pathlib.Path(tmp) / "found.json"
+        line = wrap([*command, "--json", str(path)])
+        done = run_child(line, limit_s=limit_s, env=env, capture=capture)
+        return done, json.loads(path.read_text()) if path.exists() else None
 
 
 class Child(NamedTuple):

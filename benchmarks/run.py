@@ -175,8 +175,7 @@ def _sync(grads: dict[str, torch.Tensor]) -> Any:
 
 def hook(load: Load, name: str) -> Built:
     """The eager ``GradSync`` of the model's gradients with one hook, and what it sends."""
-    work = load.build()
-    grads = torch.func.grad(work.functional_loss)(work.params(), work.batch(dist.get_rank()))
+    grads = load.build().grads(dist.get_rank())
     sync = fsync.GradSync(hook=HOOKS[name]())
     box = [sync.init(grads)]
 
@@ -202,9 +201,7 @@ def anatomy(load: Load, what: str, device: str) -> Built:
     (kernels per bucket read off inductor's code, compile time, graphs compiled over more
     calls with new values), packing and unpacking alone, and one copy of the same bytes."""
     where = torch.device(device, dist.get_rank()) if device == "cuda" else torch.device(device)
-    work = load.build()
-    grads = torch.func.grad(work.functional_loss)(work.params(), work.batch(dist.get_rank()))
-    grads = {k: g.to(where) for k, g in grads.items()}
+    grads = {k: g.to(where) for k, g in load.build().grads(dist.get_rank()).items()}
     plan = fsync.plan_buckets(grads)
 
     def timed(fn: Callable[[], object]) -> Callable[[], None]:
@@ -272,24 +269,19 @@ def measure(args: argparse.Namespace, rate: str, env: Mapping[str, str]) -> dict
             setting(n, anatomy, load=work[-1], what=n, device=args.device) for n in anatomy_names
         ],
     }
-    timing = {"rounds": args.rounds, "steps": args.steps, "warmup": args.warmup}
-    options = {"node": node, "backend": backend, "env": env}
 
-    def turns(settings: list[Setting]) -> Row | None:
-        return harness.turns(settings, **timing, **options)  # type: ignore[arg-type]
+    def turns(settings: list[Setting], node: harness.Node = node, **timing: Any) -> Row | None:
+        timing = page.timing(args) | timing  # this section's own turns over the page's
+        return harness.turns(settings, **timing, node=node, backend=backend, env=env)
 
     if "step" in args.only:
         step_rows = work[:1] if args.smoke else work  # a smoke run: the MLP alone
         results["step"] = {load.name: turns(step_settings(load)) for load in step_rows}
     if "host" in args.only:
         host = host_settings(Load(HOST_BOUND, 1, smoke=args.smoke))
+        steps_ = 1 if args.smoke else HOST_STEPS
         results["host"] = {
-            world: harness.turns(
-                host,
-                **(timing | {"steps": 1 if args.smoke else HOST_STEPS}),
-                **(options | {"node": harness.Node(local=world)}),  # type: ignore[arg-type]
-            )
-            for world in HOST_WORLDS
+            world: turns(host, harness.Node(local=world), steps=steps_) for world in HOST_WORLDS
         }
     results |= {name: turns(make()) for name, make in sections.items() if name in args.only}
     results["leaves_bytes"] = total * 4
@@ -522,11 +514,11 @@ PAGE = page.Page(
     environment=environment,
     flags=flags,
 )
-PAGES = {"link": link, "twonodes": twonodes, "ft": ft}  # the other pages, each its own main
+PAGES = {"link": link.PAGE, "twonodes": twonodes.PAGE, "ft": ft.PAGE}  # the other pages
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = page.parse(PAGE, argv, __doc__.split("\n\n")[0])
+    args = page.parse(PAGE, argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda needs a CUDA device; none is visible")
     pages = [c for c in PAGES if c in args.only and args.device == "cpu"]
@@ -536,12 +528,10 @@ def main(argv: list[str] | None = None) -> int:
     args.world_size = args.world_size or (2 if args.device == "cpu" else 1)
     if args.only:
         page.report(PAGE, args)
-    common = ["--out", str(args.out)]
-    if args.smoke:
-        common += ["--smoke", f"--rounds={args.rounds}", f"--steps={args.steps}"]
-        common += [f"--warmup={args.warmup}"]
+    # Each other page takes its own turns, but those of a smoke run.
+    common = ["--out", str(args.out), *(page.turn_args(args) if args.smoke else [])]
     for name in pages:  # each says so and skips what it cannot run
-        PAGES[name].main(common)
+        page.main(PAGES[name], common)
     return 0
 
 

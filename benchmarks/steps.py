@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fsync
 from benchmarks.constants import LR, caps
 from benchmarks.harness import Built, Setting
-from benchmarks.models import Load
+from benchmarks.models import Load, Workload
 from fsync import _agree
 from tests._inductor_code import overlapped_kernels
 
@@ -64,17 +64,27 @@ def module(
     """An autograd step on the module, alone or wrapped in DDP (buckets of ``cap`` MiB), its
     forward eager or under ``torch.compile``, with ``torch.optim``'s SGD or AdamW."""
     work = load.build()
-    batch = work.batch(dist.get_rank())
     model: torch.nn.Module = DDP(work.model, bucket_cap_mb=cap) if ddp else work.model
     forward = torch.compile(model) if compiled else model
     torch_optimizer = OPTIMIZERS[optimizer][0](model.parameters(), lr=LR)
+    step = autograd_step(work, forward, work.batch(dist.get_rank()), torch_optimizer)
+    return Built(step, lambda: {"params": work.num_params})
+
+
+def autograd_step(
+    work: Workload, model: Any, batch: Any, optimizer: Any = None
+) -> Callable[[], None]:
+    """One autograd step of ``model``: the gradients zeroed (``optimizer``'s, else the
+    model's), backward of its loss on ``batch``, then ``optimizer.step()`` where one is given."""
+    zeroed = model if optimizer is None else optimizer
 
     def step() -> None:
-        torch_optimizer.zero_grad(set_to_none=True)
-        torch.autograd.backward(work.loss(forward, batch))
-        torch_optimizer.step()
+        zeroed.zero_grad(set_to_none=True)
+        torch.autograd.backward(work.loss(model, batch))
+        if optimizer is not None:
+            optimizer.step()
 
-    return Built(step, lambda: {"params": work.num_params})
+    return step
 
 
 def functional(
@@ -130,9 +140,13 @@ POWERSGD_FROM = 2
 
 
 def grad_call(load: Load, how: str) -> Built:
-    """One gradient call of ``load``, no optimizer: forward, backward and (but for the two
+    """One gradient call of ``load``: :func:`gradient_call`."""
+    return Built(gradient_call(load.build(), how))
+
+
+def gradient_call(work: Workload, how: str) -> Callable[[], object]:
+    """One gradient call of ``work``, no optimizer: forward, backward and (but for the two
     floors) the sync, as ``how`` names it (one of the names above)."""
-    work = load.build()
     batch = work.batch(dist.get_rank())
     if how in (MODULE_BACKWARD, DDP_BACKWARD, DDP_POWERSGD):
         model = work.model if how == MODULE_BACKWARD else DDP(work.model)
@@ -141,20 +155,15 @@ def grad_call(load: Load, how: str) -> Built:
                 None, matrix_approximation_rank=1, start_powerSGD_iter=POWERSGD_FROM
             )
             model.register_comm_hook(state, powerSGD.powerSGD_hook)
-
-        def backward() -> None:
-            model.zero_grad(set_to_none=True)
-            torch.autograd.backward(work.loss(model, batch))
-
-        return Built(backward)
+        return autograd_step(work, model, batch)
     params = work.params()
     if how == FSYNC_POWERSGD:
         sync = fsync.GradSync(hook=fsync.ops.powersgd(1, start_step=POWERSGD_FROM))
         stateful = sync.grad_and_value(work.functional_loss)
-        return Built(Held(lambda p, s: (p, stateful(s, p, batch)[1]), params, sync.init(params)))
+        return Held(lambda p, s: (p, stateful(s, p, batch)[1]), params, sync.init(params))
     call = fsync.grad_and_value if how == FSYNC_CALL else torch.func.grad_and_value
     stateless = call(work.functional_loss)
-    return Built(lambda: stateless(params, batch))
+    return lambda: stateless(params, batch)
 
 
 def ceiling(load: Load) -> Callable[[], None]:
@@ -175,8 +184,7 @@ def ceiling(load: Load) -> Callable[[], None]:
 def sync_alone(load: Load, how: str, cap: float | None = None) -> Built:
     """``sync_grads`` of the model's gradient tree (``how``: eager, or compiled three ways),
     or one flat all-reduce of its bytes (``FLAT``), or a scaled copy and that (``PURE_MEAN``)."""
-    work = load.build()
-    grads = torch.func.grad(work.functional_loss)(work.params(), work.batch(dist.get_rank()))
+    grads = load.build().grads(dist.get_rank())
     flat = torch.cat([g.reshape(-1) for g in grads.values()])
     calls: dict[str, Callable[[], object]] = {
         FLAT: lambda: dist.all_reduce(flat),

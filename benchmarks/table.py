@@ -48,6 +48,12 @@ def ratio(row: Row, name: str, base: str) -> Spread:
     return per_round(row, lambda ms: ms[name] / ms[base])
 
 
+def ran(row: Row | None, name: str, base: str) -> Spread | None:
+    """:func:`ratio` where ``row`` ran both settings; ``None`` where it did not (its target
+    then says so: :func:`check`)."""
+    return ratio(row, name, base) if row and {name, base} <= row["rounds"].keys() else None
+
+
 def hidden(row: Row, name: str, own: str, alone: str) -> Spread:
     """The share of its communication that ``name`` hides behind its own compute, round by
     round: (``own`` compute + the communication ``alone`` - ``name``'s step) / ``alone``."""
@@ -78,17 +84,17 @@ def share(s: Spread, digits: int = 0) -> str:
 
 
 def timings(
-    row: Row, *bases: str, extra: Callable[[str], list[str]] = lambda name: []
+    row: Row, *bases: str, extra: Callable[[str], list[str]] = lambda name: [], prefix: str = ""
 ) -> list[list[str]]:
-    """A line per setting that ran: its name, its ms, its ratio to each of ``bases``, then
-    ``extra(name)``."""
+    """A line per setting that ran: its name (after ``prefix``), its ms, its ratio to each of
+    ``bases``, then ``extra(name)``."""
     return [
-        [n, ms(median(row, n)), *[spread(ratio(row, n, b)) for b in bases], *extra(n)]
+        [prefix + n, ms(median(row, n)), *[spread(ratio(row, n, b)) for b in bases], *extra(n)]
         for n in row["rounds"]
     ]
 
 
-def memory(rows: dict[str, Row], base: str, bucket_mib: float) -> Table:
+def memory(title: str, rows: dict[str, Row], base: str, bucket_mib: float) -> Table:
     """Rank 0's resident memory per workload and setting: once built, its peak, and its peak
     against ``base``'s in MiB and in buckets of ``bucket_mib``."""
     header = ["", "MiB, built", "peak MiB", "peak - built", f"peak - {base}'s, MiB", "in buckets"]
@@ -100,7 +106,7 @@ def memory(rows: dict[str, Row], base: str, bucket_mib: float) -> Table:
             lines.append(
                 [f"{workload}: {name}", *cells, f"{extra:+.1f}", f"{extra / bucket_mib:+.2f}"]
             )
-    return "", header, lines
+    return title, header, lines
 
 
 def check(
@@ -112,6 +118,15 @@ def check(
         return name, "not run", None
     met = value.median >= bound if least else value.median <= bound
     return name, share(value) if percent else spread(value), met
+
+
+def within_bucket(text: str, row: Row | None, name: str, base: str, bucket_mib: float) -> Target:
+    """A target on rank 0's peak RSS in ``row``: ``name``'s at most ``base``'s plus one
+    bucket of ``bucket_mib``."""
+    if row is None or name not in row["memory"]:
+        return text, "not run", None
+    extra = row["memory"][name]["peak"] - row["memory"][base]["peak"]
+    return text, f"{extra:+.1f} MiB ({extra / bucket_mib:+.2f} buckets)", extra <= bucket_mib
 
 
 def environment(**more: str) -> dict[str, str]:
@@ -153,7 +168,12 @@ def _cell(value: object) -> str:
 def section(table: Table, note: str = "") -> list[str]:
     """A table as a page section: its title as a heading, ``note``, the table."""
     title, header, rows = table
-    return [f"## {title}", "", *([note, ""] if note else []), markdown(header, rows), ""]
+    return [*heading(title, note), markdown(header, rows), ""]
+
+
+def heading(title: str, note: str = "") -> list[str]:
+    """A section's heading and the ``note`` below it."""
+    return [f"## {title}", "", *([note, ""] if note else [])]
 
 
 def targets(found: Iterable[Target]) -> Table:

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     args = page.settle(parser.parse_args(argv), TIMING)
     load = Load(args.workload, args.batch, args.smoke)
     settings = [setting(n, recorded, load=load, name=n, warmup=args.warmup) for n in SETTINGS]
-    row = harness.turns(settings, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
+    row = harness.turns(settings, **page.timing(args))
     assert row is not None  # one node: this one
     print(f"{args.workload}, batch {args.batch}, 2 ranks (ms since the call began)")
     cells = [

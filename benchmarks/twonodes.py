@@ -156,11 +156,7 @@ def sync_alone(tree: str, smoke: bool, name: str) -> Callable[[], object]:
     ``batched_powersgd(4, start_step=0)`` across nodes (through ``GradSync``, which threads
     its state); 4 MiB buckets."""
     mesh, rank = _mesh(), dist.get_rank()
-    if tree == TREE:
-        grads = tree_20mib(rank, smoke)
-    else:
-        work = gpt(smoke).build()
-        grads = torch.func.grad(work.functional_loss)(work.params(), work.batch(rank))
+    grads = tree_20mib(rank, smoke) if tree == TREE else gpt(smoke).build().grads(rank)
     if name == FLAT:
         flat = torch.cat([g.reshape(-1) for g in grads.values()])
         return lambda: dist.all_reduce(flat)
@@ -257,29 +253,22 @@ def measure(args: argparse.Namespace, rate: str, env: Mapping[str, str]) -> dict
     rank = 0 if local else int(os.environ["NODE_RANK"])
     host = "127.0.0.1" if local else os.environ["MASTER_ADDR"]
 
-    def turns(
-        k: int, settings: list[harness.Setting], rounds: int, steps: int, warmup: int
-    ) -> Row | None:
+    def turns(k: int, settings: list[harness.Setting], **timing: Any) -> Row | None:
         """The ``k``-th round of turns: on two nodes, its store on a port of its own."""
         where = harness.Node(NODES, rank, LOCAL, host, PORT + k)
         where = harness.Node(1, 0, NODES * LOCAL, host) if local else where
-        return harness.turns(
-            settings, node=where, env=env, rounds=rounds, steps=steps, warmup=warmup
-        )
+        return harness.turns(settings, node=where, env=env, **(page.timing(args) | timing))
 
     sync = {
         tree: turns(
-            k,
-            [setting(n, sync_alone, tree=tree, smoke=args.smoke, name=n) for n in SYNC_SETTINGS],
-            args.rounds,
-            args.steps,
-            args.warmup,
+            k, [setting(n, sync_alone, tree=tree, smoke=args.smoke, name=n) for n in SYNC_SETTINGS]
         )
         for k, tree in enumerate((TREE,) if args.smoke else (TREE, GPT))  # smoke: one path
     }
     # A turn is a round of DiLoCo (one outer sync); the warm-up one too, compiling in it.
     step_settings = [setting(n, gpt_step, smoke=args.smoke, name=n) for n in STEP_SETTINGS]
-    step = turns(2, step_settings, max(1, args.rounds // 2), INNER_STEPS, INNER_STEPS)
+    rounds = max(1, args.rounds // 2)
+    step = turns(2, step_settings, rounds=rounds, steps=INNER_STEPS, warmup=INNER_STEPS)
     if rank != 0:
         return None
     trees = {TREE: tree_20mib(0, args.smoke), GPT: gpt(args.smoke).build().params()}
@@ -477,11 +466,7 @@ PAGE = Page(
 )
 
 
-def main(argv: list[str] | None = None) -> int:
-    return page.main(PAGE, argv, __doc__.split("\n\n")[0])
-
-
 if __name__ == "__main__":
     from benchmarks import twonodes  # this module by name, so that its builders pickle
 
-    sys.exit(twonodes.main())
+    sys.exit(page.main(twonodes.PAGE))

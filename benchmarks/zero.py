@@ -45,7 +45,7 @@ from benchmarks.constants import CAP_MB, LR
 from benchmarks.harness import Built, Row, Setting, UnavailableError
 from benchmarks.models import Load
 from benchmarks.page import label
-from benchmarks.steps import Held, setting
+from benchmarks.steps import Held, autograd_step, setting
 
 REFERENCE = "ZeroRedundancyOptimizer + DDP"
 TORCH_OVERLAP = {
@@ -106,11 +106,7 @@ def torch_zero(load: Load, overlap: str | None, cap_mb: float = CAP_MB) -> Built
         except RuntimeError as error:  # gloo: "... may meet hangs"; every rank raises it
             raise UnavailableError(f"torch raises `RuntimeError: {error}`") from error
 
-    def step() -> None:
-        zero.zero_grad(set_to_none=True)
-        torch.autograd.backward(work.loss(ddp, batch))
-        zero.step()
-
+    step = autograd_step(work, ddp, batch, zero)
     return Built(step, lambda: {"state MiB": _state_mib(zero.optim.state_dict()["state"])})
 
 
@@ -251,32 +247,21 @@ def targets(results: dict[str, dict[str, Row]], memory: dict[str, Row]) -> list[
     rate, hiding :data:`HIDDEN` of its RS/AG at 8 Gbit/s; its peak RSS within one bucket of
     the non-overlapped step's."""
 
-    def ran(rate: str, load: Load, name: str) -> Row | None:
-        row = results.get(rate, {}).get(str(load))
-        return row if row is not None and name in row["rounds"] else None
-
     out: list[table.Target] = []
     for name, within in WITHIN.items():
         for rate in RATES:
             for load in loads(rate, smoke=False):
                 text = f"ZeRO, {load}: {name} <= {within:.2f}x {REFERENCE}, {label(rate)}"
-                row = ran(rate, load, name)
-                ratio = table.ratio(row, name, REFERENCE) if row else None
-                out.append(table.check(text, ratio, within))
+                row = results.get(rate, {}).get(str(load))
+                out.append(table.check(text, table.ran(row, name, REFERENCE), within))
         for load in loads(HIDDEN_RATE, smoke=False):
             text = f"ZeRO, {load}: {name} hides >= {HIDDEN:.0%} of its RS/AG, {label(HIDDEN_RATE)}"
-            row = ran(HIDDEN_RATE, load, name)
-            share = hidden(row, name) if row else None
+            row = results.get(HIDDEN_RATE, {}).get(str(load))
+            share = hidden(row, name) if row and name in row["rounds"] else None
             out.append(table.check(text, share, HIDDEN, least=True, percent=True))
     for workload, row in memory.items():
-        text = (
-            f"ZeRO, {workload}: value_and_step eager's peak RSS <= fsync zero eager's + one bucket"
-        )
-        if VALUE_AND_STEP not in row["memory"]:
-            out.append((text, "not run", None))
-            continue
-        extra = row["memory"][VALUE_AND_STEP]["peak"] - row["memory"][EAGER]["peak"]
-        out.append((text, f"{extra:+.1f} MiB ({extra / CAP_MB:+.2f} buckets)", extra <= CAP_MB))
+        text = f"ZeRO, {workload}: value_and_step eager's peak RSS <= fsync zero eager's"
+        out.append(table.within_bucket(f"{text} + one bucket", row, VALUE_AND_STEP, EAGER, CAP_MB))
     return out
 
 
@@ -297,8 +282,8 @@ def tables(results: dict[str, dict[str, Row]], memory: dict[str, Row]) -> list[t
             cells += [[n, f"not run: {why}", "", "", ""] for n, why in row["unavailable"].items()]
             out.append((f"ZeRO, AdamW: {key}, {label(rate)}", header, cells))
     if memory:
-        _, columns, cells = table.memory(memory, EAGER, CAP_MB)
-        out.append(("ZeRO memory: peak RSS of the eager steps, unshaped", columns, cells))
+        title = "ZeRO memory: peak RSS of the eager steps, unshaped"
+        out.append(table.memory(title, memory, EAGER, CAP_MB))
     return out
 
 
@@ -317,9 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     args = page.settle(parser.parse_args(argv), TIMING)
     rows: dict[str, Row] = {}
     for load in loads(args.rate, args.smoke):
-        row = harness.turns(
-            settings(load, args.bucket_mb), rounds=args.rounds, steps=args.steps, warmup=args.warmup
-        )
+        row = harness.turns(settings(load, args.bucket_mb), **page.timing(args))
         assert row is not None  # one node: this process coordinates
         rows[str(load)] = row
     table.console(tables({args.rate: rows}, {}))

@@ -73,8 +73,8 @@ def test_a_part_killed_at_its_limit_keeps_what_it_saved(tmp_path):
     saved = tmp_path / "kernels.json"
     script = (
         f"import pathlib, sys, time; sys.path.insert(0, {str(ROOT)!r}); "
-        "from benchmarks import gpu; "
-        f"gpu._write(pathlib.Path({str(saved)!r}), {{'rows': [1]}}); time.sleep(60)"
+        "from benchmarks import page; "
+        f"page.save_json(pathlib.Path({str(saved)!r}), {{'rows': [1]}}); time.sleep(60)"
     )
     done = run_child([sys.executable, "-c", script], limit_s=5.0)
     assert done.status == "timed out" and json.loads(saved.read_text()) == {"rows": [1]}
