@@ -63,25 +63,31 @@ def issue(control: torch.Tensor, group: _comm.Group) -> torch.Tensor:
 
 
 def conclude(
-    pending: torch.Tensor,
-    control: torch.Tensor,
-    used: torch.Tensor,
-    group: _comm.Group,
-    description: str,
-    find_unused: bool,
-    *,
-    start: int = -1,
-    step: torch.Tensor | None = None,
+    pending: torch.Tensor, check: _Check, *, start: int = -1, step: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed control vector and per-leaf use counts of an issued agreement.
+    """The summed control vector and per-leaf use counts of ``check``'s issued agreement.
 
     Raises the same ``ValueError`` on every rank when they disagree. A control
     all-reduce that fails (a rank died, hangs or stopped calling the sync) is
     named (``_reports.named``): the sync, begun at c10d collective ``start`` of
     the group, its ``step``, and the ranks that did not arrive.
     """
+    group = check.group
     try:
-        return _concluded(pending, control, used, group, description, find_unused)
+        summed = _comm.wait(pending)
+        values = summed.tolist()
+        problem = verdict(values, _comm.size(group))
+        if problem is not None:
+            raise_disagreement(problem, check.control, check.description, group)
+        counts = check.used
+        if check.find_unused or values[NONES]:  # some rank lacks a gradient: count who has each
+            counts = _comm.wait(
+                _comm.all_reduce(check.used.clone(), "sum", group, inplace=True, control=True)
+            )
+            if not check.find_unused:
+                active = int(values[ACTIVE])
+                check_fully_used(counts, check.used, active, check.description, group)
+        return summed, counts
     except _failures.CollectiveError as failure:
         raise _reports.named(failure, group, start, stage=AGREEMENT, step=step) from failure
 
@@ -89,41 +95,10 @@ def conclude(
 AGREEMENT = "the ranks' agreement (the sync's first collective)"
 
 
-def _concluded(
-    pending: torch.Tensor,
-    control: torch.Tensor,
-    used: torch.Tensor,
-    group: _comm.Group,
-    description: str,
-    find_unused: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    summed = _comm.wait(pending)
-    values = summed.tolist()
-    world_size = _comm.size(group)
-    problem = verdict(values, world_size)
-    if problem is not None:
-        raise_disagreement(problem, control, description, group)
-    counts = used
-    if find_unused or values[NONES]:  # some rank lacks a gradient: count who has each leaf
-        counts = _comm.wait(
-            _comm.all_reduce(used.clone(), "sum", group, inplace=True, control=True)
-        )
-        if not find_unused:
-            check_fully_used(counts, used, int(values[ACTIVE]), description, group)
-    return summed, counts
-
-
-def agree(
-    control: torch.Tensor,
-    used: torch.Tensor,
-    group: _comm.Group,
-    description: str,
-    find_unused: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def agree(check: _Check) -> tuple[torch.Tensor, torch.Tensor]:
     """The agreement in one call (eager): ``issue``, then ``conclude``."""
-    start = _comm.sequence_number(group)
-    pending = issue(control, group)
-    return conclude(pending, control, used, group, description, find_unused, start=start)
+    start = _comm.sequence_number(check.group)
+    return conclude(issue(check.control, check.group), check, start=start)
 
 
 def refuse(error: Exception, group: _comm.Group, like: Any = None) -> Any:
@@ -151,7 +126,7 @@ def refuse(error: Exception, group: _comm.Group, like: Any = None) -> Any:
     used = torch.zeros(0, dtype=torch.int64, device=device)
     description = _refusal(type(error).__name__, str(error))
     if not compiling:
-        agree(control, used, group, description, False)
+        agree(_Check(control, used, description, group))
         raise AssertionError("unreachable: the agreement raises for a rank that refuses")
     context = _op_context(_comm.group_name(group), description, False)
     summed, _ = torch.ops.fsync.agree(control, used, context)
@@ -196,7 +171,7 @@ def verify_plan(plan: BucketPlan, group: _comm.Group, what: str = "grads") -> No
     device = _comm.default_device(group)
     control = control_vector(plan.fingerprint, plan_fingerprint=plan.fingerprint, device=device)
     description = describe(plan.description, "", False, "", what)
-    agree(control, torch.zeros(0, dtype=torch.int64, device=device), group, description, False)
+    agree(_Check(control, torch.zeros(0, dtype=torch.int64, device=device), description, group))
 
 
 @python_at_trace_time
@@ -210,7 +185,8 @@ def _agree_op(
     control: torch.Tensor, used: torch.Tensor, context: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     group_name, description, find_unused = json.loads(context)
-    summed, counts = agree(control, used, _comm.group_named(group_name), description, find_unused)
+    check = _Check(control, used, description, _comm.group_named(group_name), find_unused)
+    summed, counts = agree(check)
     return summed, counts.clone() if counts is used else counts
 
 
@@ -247,16 +223,7 @@ class Agreement:
         check = self._check
         if check is None or self._pending is None:
             return Agreed(1, _alone(self._plan, self._has, self._active))
-        summed, counts = conclude(
-            self._pending,
-            check.control,
-            check.used,
-            check.group,
-            check.description,
-            check.find_unused,
-            start=self._start,
-            step=self._step,
-        )
+        summed, counts = conclude(self._pending, check, start=self._start, step=self._step)
         return check.agreed(self._plan, summed, counts, self._has)
 
 
@@ -267,9 +234,9 @@ class _Check(NamedTuple):
     used: torch.Tensor
     description: str
     group: _comm.Group
-    find_unused: bool
-    divide_by: str
-    active: bool
+    find_unused: bool = False
+    divide_by: str = "world"
+    active: bool = True
 
     def agreed(
         self, plan: BucketPlan, summed: torch.Tensor, counts: torch.Tensor, has: list[bool]

@@ -25,10 +25,11 @@ from typing_extensions import Unpack
 
 from fsync import _checks, _comm, _planner, _tree
 from fsync._agree import check_alone, refuse
-from fsync._backward import Reducer, TorchFunc, plain_backward, synced_backward
+from fsync._backward import Reducer, plain_backward, synced_backward
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._planner import Planned
 from fsync._reduce import SyncCall, gives_back, init_hook, sync_tree, unpack_reduced
+from fsync._torch_func import TorchFunc
 
 
 def grad_and_value(

@@ -33,8 +33,9 @@ reduce is issued and the bucket before it is updated and gathered.
 rank alone (``_groups.ALONE``), so the layout is a world of one that owns every bucket
 whole, the reduce an all-reduce over ``group``, and the gather the identity.
 
-Owns: the ZeRO step's entry points and its checkpoints. May import: every layer
-below (1 to 6) and ``fsync.optim``.
+Owns: ``ZeroStep`` (its calls, eager and overlapped) and ``zero_state_dict``; the
+factories that build it are ``_zero_factories``. May import: every layer below (1 to 6)
+and ``fsync.optim``.
 """
 
 from __future__ import annotations
@@ -46,14 +47,15 @@ from typing import Any
 
 import torch
 
-from fsync import _checks, _comm, _groups, _pack, _planner, _reports, _state, _tree
-from fsync._agree import Agreement, planned, refuse, verify_plan
+from fsync import _checks, _comm, _pack, _planner, _reports, _state, _tree
+from fsync._agree import planned, refuse, verify_plan
 from fsync._apply import context
-from fsync._backward import TorchFunc, synced_backward
+from fsync._backward import synced_backward
 from fsync._hook import Hook
-from fsync._options import OptionKeywords, SyncOptions
+from fsync._options import SyncOptions
 from fsync._plan import BucketPlan
 from fsync._reduce import SyncCall, agree_and_pack, dense, hook_of, init_hook
+from fsync._torch_func import TorchFunc
 from fsync._zero_layout import (
     ZeroLayout,
     ZeroState,
@@ -61,10 +63,9 @@ from fsync._zero_layout import (
     gather,
     pack_range,
     shard_full,
-    shard_group,
     zero_layout,
 )
-from fsync._zero_stages import ZeroPipeline, ZeroUpdate
+from fsync._zero_stages import OverlappedStages, ZeroPipeline, ZeroUpdate
 from fsync.optim._base import Optimizer
 
 _META = torch.device("meta")
@@ -302,7 +303,7 @@ def _overlapped_call(
             p_leaves,
             plan,
             _sync_call(step, state),
-            stages=functools.partial(_Overlapped, update, in_backward=in_backward),
+            stages=functools.partial(OverlappedStages, update, in_backward=in_backward),
         )
         new_state = state._replace(hook=hook_state, opt=opt_state, step=state.step + 1)
         params = rebuild(_pack.unpack_leaves(buffers, plan))
@@ -356,211 +357,6 @@ def _stepped(
     pipeline = ZeroPipeline(update, step.hook, state.hook, ctx)
     pipeline.push_all(dense(buckets, layout.plan))
     return pipeline.drain()
-
-
-class _Overlapped:
-    """The stages of ``value_and_step`` for ``synced_backward``: as backward completes
-    bucket ``k``, its reduce is issued and (``in_backward``) the buckets whose reduce is
-    over are updated and gathered; the others are in ``finish``, after backward."""
-
-    def __init__(
-        self,
-        update: ZeroUpdate,
-        plan: BucketPlan,
-        hook: Hook,
-        hook_state: Any,
-        group: _comm.Group,
-        agreement: Agreement,
-        *,
-        in_backward: bool = False,
-    ) -> None:
-        self._make = functools.partial(ZeroPipeline, update, hook)
-        self._in_backward = in_backward
-        self._plan, self._hook_state, self._group = plan, hook_state, group
-        self._agreement, self._scatter = agreement, update.layout.shard_buckets
-        self._pipeline: ZeroPipeline | None = None
-
-    def _started(self) -> ZeroPipeline:
-        if self._pipeline is None:  # the first bucket waits for the ranks' agreement
-            divisor = self._agreement.conclude().divisor
-            ctx = context(self._plan, self._group, divisor, scatter=self._scatter)
-            self._pipeline = self._make(self._hook_state, ctx)
-        return self._pipeline
-
-    def start(self, k: int, buffer: torch.Tensor) -> None:
-        """Bucket ``k`` is complete: its reduce issued; in backward, bucket ``k`` itself
-        updated and gathered where its reduce has arrived already (gloo's reduce-scatter),
-        else ``k - 1`` (so that its reduce is not waited for before the next one is issued)."""
-        pipeline = self._started()
-        pipeline.push(buffer)
-        if self._in_backward:
-            pipeline.advance(k + 1 if pipeline.arrived(k) else k)
-
-    def finish(self) -> tuple[list[torch.Tensor], Any, Any]:
-        """The last bucket updated, every gather waited for (``ZeroPipeline.drain``)."""
-        return self._started().drain()
-
-
-def zero(
-    optimizer: Optimizer,
-    *,
-    hook: Hook | None = None,
-    shard_buckets: bool = True,
-    group: _comm.Group = None,
-    bucket_cap_mb: float | None = None,
-    first_bucket_mb: float = 1.0,
-    update_in_backward: bool | None = None,
-) -> ZeroStep:
-    """A ZeRO step: synced gradients feed an optimizer update sharded across ranks.
-
-    Every rank keeps the full parameters and only its part of the optimizer
-    state. Per bucket of the plan ([fsync.plan_buckets][] with these
-    sizes), with ``shard_buckets=True`` the gradients are reduce-scattered
-    (through ``hook`` with ``ctx.scatter`` set), each rank updates its shard
-    with ``optimizer`` and the shards are all-gathered; with
-    ``shard_buckets=False`` each bucket is all-reduced and updated by one
-    owning rank, which broadcasts it (the owners balance bucket bytes,
-    largest first). Works with any world size, backend and parameter dtypes,
-    eagerly and under ``torch.compile(fullgraph=True)``.
-
-    Args:
-        optimizer: An [fsync.optim.Optimizer][]; it is applied to a list
-            of flat tensors (this rank's pieces).
-        hook: The [fsync.Hook][] for the gradient buckets; default
-            ``fsync.ops.allreduce("mean")``. It may return per bucket the
-            whole reduced bucket or this rank's shard of it.
-        shard_buckets: Shard every bucket across ranks (``True``) or give each
-            bucket whole to one rank (``False``).
-        group: ``None`` for the default group, a ``ProcessGroup``, a 1-D
-            ``DeviceMesh``, ``(DeviceMesh, dim)``, or a 2-D ``DeviceMesh``
-            ``(nodes, local)``: gradients are then reduced hierarchically (as
-            [fsync.sync_grads][] does) and the ranks of the whole mesh share
-            the update. Or ``replica.group`` of an [fsync.ft.Replica][] of
-            several ranks: reduced hierarchically, within the replica group and
-            across replicas, the update split over the replica group's ranks
-            and each part replicated across replicas (the guide "Fault
-            tolerance").
-        bucket_cap_mb: Bucket size limit in MiB; ``None``: 25, or 4 on a 2-D mesh
-            (see [fsync.SyncOptions][]).
-        first_bucket_mb: Size limit of the first bucket in MiB.
-        update_in_backward: Where ``value_and_step`` updates and gathers a bucket:
-            during backward, as its reduce is over (``True``), or after backward,
-            bucket after bucket (``False``; the reduces still leave during backward).
-            ``None``: during backward on an accelerator, after it on the CPU, where
-            the update would take the cores backward computes on (measured slower
-            there: the guide "ZeRO"). The bits are the same either way; under
-            ``torch.compile`` the compiler schedules.
-
-    Returns:
-        A [fsync.ops.ZeroStep][]: ``state = step.init(params)``, then
-        ``params, state = step(params, grads, state)``.
-
-    Raises:
-        TypeError: ``optimizer`` or ``hook`` has the wrong type, or
-            ``update_in_backward`` is not a bool or ``None``.
-        ValueError: A bucket size is not a finite positive number, or ``group`` is
-            the replica group of an [fsync.ft.Replica][] of one rank.
-
-    Example:
-        >>> import torch, fsync
-        >>> params = {"w": torch.ones(2, 2), "b": torch.zeros(2)}
-        >>> step = fsync.ops.zero(fsync.optim.sgd(0.5))
-        >>> state = step.init(params)
-        >>> params, state = step(params, {"w": torch.ones(2, 2), "b": torch.ones(2)}, state)
-        >>> params["b"]
-        tensor([-0.5000, -0.5000])
-    """
-    options = _options("fsync.ops.zero", hook, group, bucket_cap_mb, first_bucket_mb)
-    return ZeroStep(
-        optimizer,
-        options=options,
-        shard_buckets=shard_buckets,
-        group=group,
-        shard_group=shard_group(group),
-        update_in_backward=update_in_backward,
-    )
-
-
-def replicated(
-    optimizer: Optimizer,
-    *,
-    hook: Hook | None = None,
-    group: _comm.Group = None,
-    bucket_cap_mb: float | None = None,
-    first_bucket_mb: float = 1.0,
-    update_in_backward: bool | None = None,
-) -> ZeroStep:
-    """The ZeRO step's pipeline with nothing split: every rank updates every bucket.
-
-    Data parallelism as DDP does it, the optimizer state whole on every rank, with
-    the ZeRO step's schedule: per bucket of the plan the gradients are
-    all-reduced through ``hook`` and the bucket's parameters updated by
-    ``optimizer`` as soon as its all-reduce is over, while the buckets after it
-    are still on the wire; nothing is gathered. ``value_and_step`` does it in one
-    backward pass (after backward on the CPU, as the reduces arrive, by
-    default): where the link is slower than backward, the update hides behind
-    the last buckets' transfer instead of following it. The result is
-    ``optimizer.update(params, synced_grads, opt_state)`` after
-    [fsync.sync_grads][] with the same options, bit for bit (a leafwise
-    optimizer's operations are elementwise); the optimizer state, as
-    [fsync.ops.zero_state_dict][] gathers it, is that update's state.
-
-    Args:
-        optimizer: An [fsync.optim.Optimizer][], applied to each bucket flat.
-        hook: The [fsync.Hook][] for the gradient buckets; default
-            ``fsync.ops.allreduce("mean")``.
-        group: As for [fsync.ops.zero][]; also the replica group of an
-            [fsync.ft.Replica][] of one rank (the state is then healed whole).
-        bucket_cap_mb: Bucket size limit in MiB; ``None``: 25, or 4 on a 2-D mesh.
-        first_bucket_mb: Size limit of the first bucket in MiB.
-        update_in_backward: As for [fsync.ops.zero][].
-
-    Returns:
-        A [fsync.ops.ZeroStep][] whose ``shard_group`` is this rank alone:
-        ``state = step.init(params)``, then ``params, state = step(params, grads,
-        state)`` or ``(params, loss), state = step.value_and_step(loss_fn)(state,
-        params, batch)``.
-
-    Raises:
-        TypeError: ``optimizer`` or ``hook`` has the wrong type, or
-            ``update_in_backward`` is not a bool or ``None``.
-        ValueError: A bucket size is not a finite positive number.
-
-    Example:
-        >>> import torch, fsync
-        >>> step = fsync.ops.replicated(fsync.optim.sgd(0.5))
-        >>> state = step.init({"w": torch.ones(2)})
-        >>> step.shard_group, step.layout(state).world_size  # nothing split
-        (ALONE (this rank by itself), 1)
-        >>> params, state = step({"w": torch.ones(2)}, {"w": torch.ones(2)}, state)
-        >>> params["w"]
-        tensor([0.5000, 0.5000])
-    """
-    options = _options("fsync.ops.replicated", hook, group, bucket_cap_mb, first_bucket_mb)
-    # Every rank owns every bucket whole: a world of one, this rank, that gathers nothing.
-    return ZeroStep(
-        optimizer,
-        options=options,
-        shard_buckets=False,
-        group=group,
-        shard_group=_groups.ALONE,
-        update_in_backward=update_in_backward,
-    )
-
-
-def _options(
-    where: str,
-    hook: Hook | None,
-    group: _comm.Group,
-    bucket_cap_mb: float | None,
-    first_bucket_mb: float,
-) -> SyncOptions:
-    """The sync options of a step built by ``where`` (checked there)."""
-    given = OptionKeywords(hook=hook, first_bucket_mb=first_bucket_mb)
-    if bucket_cap_mb is not None:  # else the default for the group (SyncOptions.of)
-        given["bucket_cap_mb"] = bucket_cap_mb
-    mesh = _comm.hierarchy(group) is not None
-    return SyncOptions.of(given, where=where, mesh=mesh)
 
 
 def _check_update_in_backward(update_in_backward: Any) -> None:

@@ -23,7 +23,8 @@ backward); its overlapped gradient call pushes each bucket as backward completes
 it and advances past it where its reduce has arrived already (``arrived``: gloo's
 reduce-scatter is waited for as it is issued), else to the bucket before it, so
 that bucket ``k - 1`` is updated and gathered while bucket ``k`` is reduced and
-backward goes on. Either way every rank issues the same collectives in the same
+backward goes on (``OverlappedStages``, the stages ``_backward.synced_backward``
+calls). Either way every rank issues the same collectives in the same
 order, decided by the code path and never by timing: reduces in plan order,
 gathers in plan order, each gather right after its own reduce, after the reduce
 of the bucket that follows it, or after every reduce.
@@ -40,15 +41,18 @@ Owns: the order of a ZeRO step's stages. May import: layers 1 to 6
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from fsync import _comm, _groups, _tree
-from fsync._apply import alone, finish_bucket, start_bucket
+from fsync._agree import Agreement
+from fsync._apply import alone, context, finish_bucket, start_bucket
 from fsync._hierarchy import pipelined, reduce_started, reduce_started_shards, start_within
 from fsync._hook import Hook, SyncContext
+from fsync._plan import BucketPlan
 from fsync._zero_layout import (
     Piece,
     ZeroLayout,
@@ -279,3 +283,46 @@ class ZeroPipeline:
         self._gathering.append(
             start_gather(self._layout, k, piece, self._dtype(k), self._gather_over)
         )
+
+
+class OverlappedStages:
+    """The stages of ``value_and_step`` for ``synced_backward``: as backward completes
+    bucket ``k``, its reduce is issued and (``in_backward``) the buckets whose reduce is
+    over are updated and gathered; the others are in ``finish``, after backward."""
+
+    def __init__(
+        self,
+        update: ZeroUpdate,
+        plan: BucketPlan,
+        hook: Hook,
+        hook_state: Any,
+        group: _comm.Group,
+        agreement: Agreement,
+        *,
+        in_backward: bool = False,
+    ) -> None:
+        self._make = functools.partial(ZeroPipeline, update, hook)
+        self._in_backward = in_backward
+        self._plan, self._hook_state, self._group = plan, hook_state, group
+        self._agreement, self._scatter = agreement, update.layout.shard_buckets
+        self._pipeline: ZeroPipeline | None = None
+
+    def _started(self) -> ZeroPipeline:
+        if self._pipeline is None:  # the first bucket waits for the ranks' agreement
+            divisor = self._agreement.conclude().divisor
+            ctx = context(self._plan, self._group, divisor, scatter=self._scatter)
+            self._pipeline = self._make(self._hook_state, ctx)
+        return self._pipeline
+
+    def start(self, k: int, buffer: torch.Tensor) -> None:
+        """Bucket ``k`` is complete: its reduce issued; in backward, bucket ``k`` itself
+        updated and gathered where its reduce has arrived already (gloo's reduce-scatter),
+        else ``k - 1`` (so that its reduce is not waited for before the next one is issued)."""
+        pipeline = self._started()
+        pipeline.push(buffer)
+        if self._in_backward:
+            pipeline.advance(k + 1 if pipeline.arrived(k) else k)
+
+    def finish(self) -> tuple[list[torch.Tensor], Any, Any]:
+        """The last bucket updated, every gather waited for (``ZeroPipeline.drain``)."""
+        return self._started().drain()

@@ -2,7 +2,8 @@
 
 # The ZeRO step lives beside the sync (fsync/_zero*.py), not among the hooks; it is
 # re-exported here, where users have always found it.
-from fsync._zero import ZeroStep, replicated, zero, zero_state_dict
+from fsync._zero import ZeroStep, zero_state_dict
+from fsync._zero_factories import replicated, zero
 from fsync._zero_layout import ZeroState
 from fsync.ops._allreduce import allreduce
 from fsync.ops._compress import bf16_compress, fp16_compress
