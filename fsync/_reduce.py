@@ -25,7 +25,7 @@ soon as it is complete. Sparse buckets never reach a hook: fsync averages them
 itself (``with_sparse``), after the dense ones.
 
 Owns: the stages of a sync and their order. May import: everything below it (layers 1
-to 6, ``_apply`` and ``_hierarchy`` among them), ``fsync.ops`` for the default hook.
+to 6, ``_apply`` and ``_hierarchy`` among them; ``_allreduce``, the default hook).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch
 
 from fsync import _checks, _comm, _pack, _reports, _sparse, _tree
 from fsync._agree import Agreed, Terms, agree_on, refuse
+from fsync._allreduce import allreduce
 from fsync._apply import context
 from fsync._control import state_words
 from fsync._hierarchy import (
@@ -56,7 +57,6 @@ from fsync._hook import Hook, SyncContext, hook_spec
 from fsync._options import SyncOptions
 from fsync._plan import BucketPlan
 from fsync._planner import plan_tree
-from fsync.ops._allreduce import allreduce
 
 DEFAULT_HOOK = allreduce("mean")
 

@@ -111,3 +111,38 @@ def test_only_comm_uses_torch_distributed():
     assert "fsync/_comm.py" in found, "the scan found nothing in _comm.py: it is broken"
     offenders = {path: uses for path, uses in found.items() if path not in _DISTRIBUTED_ALLOWED}
     assert offenders == {}, "only fsync/_comm.py may talk to torch.distributed (DESIGN.md)"
+
+
+# The entry points' modules, each imported first (before fsync/__init__.py has run its own
+# order): an arrow up into a package that imports back down (fsync.ops re-exports the ZeRO
+# step, whose modules import the reduce) shows as a circular import only in some orders.
+_ENTRY_MODULES = (
+    "fsync._sync", "fsync._grad", "fsync._zero", "fsync._accumulate", "fsync._diloco",
+    "fsync.checkpoint", "fsync.ops",
+)  # fmt: skip
+_FIRST = """
+import importlib, sys, types
+package = types.ModuleType("fsync")
+package.__path__ = [sys.argv[1]]
+sys.modules["fsync"] = package  # fsync/__init__.py not run: the module is the first
+importlib.import_module(sys.argv[2])
+"""
+
+
+@pytest.mark.timeout(120)
+def test_each_entry_module_imports_first():
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", _FIRST, str(PACKAGE), name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name in _ENTRY_MODULES
+    }
+    failed = {}
+    for name, run in runs.items():
+        output, _ = run.communicate(timeout=100)
+        if run.returncode != 0:
+            failed[name] = output.strip().splitlines()[-1]
+    assert failed == {}

@@ -10,20 +10,17 @@ state, PowerSGD's) or an [fsync.DiLoCo][] (``"diloco"``); or a tuple of them, wi
 state of each kind; a ZeRO step syncs and steps by itself, so it stands alone.
 
 Owns: the kinds of step and how they combine. May import: ``_sync``, ``_diloco``,
-``fsync.ops``, ``fsync.optim``.
+``_zero``, ``_zero_layout``, ``fsync.optim``.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-# Through fsync.ops first, which imports the ZeRO step's modules (and _sync's) in the
-# order they need.
-from fsync.ops import ZeroState, ZeroStep
-
-# isort: split
 from fsync._diloco import DiLoCo, DiLoCoState
 from fsync._sync import GradSync, SyncState
+from fsync._zero import ZeroStep
+from fsync._zero_layout import ZeroState
 from fsync.optim._base import Optimizer
 
 Step = ZeroStep | Optimizer | GradSync | DiLoCo | tuple[Any, ...]

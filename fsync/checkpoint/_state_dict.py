@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from fsync import _comm, _tree
-from fsync._zero_layout import ZeroLayout
+from fsync._zero import ZeroStep
+from fsync._zero_layout import ZeroLayout, ZeroState
 from fsync.checkpoint import _describe
 from fsync.checkpoint._chunks import Chunks, range_chunks
 from fsync.checkpoint._describe import Description
@@ -51,7 +52,6 @@ from fsync.checkpoint._entries import (
 )
 from fsync.checkpoint._parts import Part, Step, is_composite, parts_of, states_of
 from fsync.checkpoint._sync_states import diloco_part, sync_part
-from fsync.ops import ZeroState, ZeroStep
 from fsync.optim._base import Optimizer
 
 _META = torch.device("meta")

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from fsync import _comm
+from fsync._allreduce import allreduce
 from fsync._checks import check_floating
 from fsync._hook import Buckets, Hook, SyncContext, check_hook, hook_spec, spec_of
 from fsync._plan import BucketPlan, BucketSpec
-from fsync.ops._allreduce import allreduce
 
 
 @functools.lru_cache(maxsize=32)

@@ -1,4 +1,11 @@
-"""The plain all-reduce hook, DDP's default."""
+"""The plain all-reduce hook: DDP's default, and every sync's when none is given.
+
+It sits below the reduce, which falls back to it (``_reduce.DEFAULT_HOOK``), so that no
+arrow runs up into ``fsync.ops`` (which re-exports it as ``fsync.ops.allreduce`` beside the
+other hooks, and the ZeRO step, whose modules import the reduce).
+
+Owns: ``allreduce``. May import: ``_comm``, ``_hook``, ``_pack`` (layers 1 to 5).
+"""
 
 from __future__ import annotations
 
