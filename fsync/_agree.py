@@ -19,7 +19,7 @@ compiled step as they do eagerly; the packed buckets depend on its result, so no
 bucket collective can be scheduled before it.
 
 Owns: the agreement's stages (issue, conclude, refuse) and its op. May import:
-``_comm``, ``_reports``, ``_tree``, ``_trace``, ``_plan``, ``_control``,
+``_comm`` (with ``_comm._reports``), ``_tree``, ``_trace``, ``_plan``, ``_control``,
 ``_differences``, ``_checks`` (layers 1 to 3).
 """
 
@@ -32,7 +32,8 @@ from typing import Any, NamedTuple, TypeVar
 import optree
 import torch
 
-from fsync import _checks, _comm, _failures, _reports, _tree
+from fsync import _checks, _comm, _tree
+from fsync._comm import _failures, _reports
 from fsync._control import (
     ACTIVE,
     CONTROL_SIZE,

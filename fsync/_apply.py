@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from fsync import _checks, _comm, _failures
+from fsync import _checks, _comm
 from fsync._agree import refuse
+from fsync._comm import _failures
 from fsync._hook import Hook, SyncContext
 from fsync._plan import BucketPlan
 

@@ -56,9 +56,10 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from fsync import _checks, _comm, _failures, _pack, _reports
+from fsync import _checks, _comm, _pack
 from fsync._agree import Agreed, Agreement, begin, refuse
 from fsync._apply import alone, context, finish_bucket, start_bucket
+from fsync._comm import _failures, _reports
 from fsync._hierarchy import GatheringPipeline, pipelined, reduce_started, start_within
 from fsync._hook import Hook, SyncContext
 from fsync._plan import BucketPlan

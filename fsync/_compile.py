@@ -23,7 +23,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 # and what no collective needs comes after the last collective on every rank. A custom op
 # that communicates (fsync::agree) is not a collective to inductor: it is ordered by what
 # it needs and what needs it, which is why a ZeRO owner's broadcast is a c10d collective
-# whose input every rank computes alike (``_zero_stages``), not an opaque op. The
+# whose input every rank computes alike (``_zero._stages``), not an opaque op. The
 # peak-memory ordering that runs before these passes may instead put the agreement, and
 # so every pack behind it, after the whole input-gradient
 # chain: on the benchmark GPT the first of 20 all-reduces was issued after 67 of the step's

@@ -12,8 +12,8 @@ found alone (``_agree.refuse``), or the first difference; ``check_fully_used`` n
 leaf some ranks have no gradient for.
 
 Owns: the descriptions, the words for their differences and the errors raised on every
-rank. May import: ``_comm``, ``_failures``, ``_control``, ``_plan``, ``_trace`` (layer 3,
-above those).
+rank. May import: ``_comm`` (with ``_comm._failures``), ``_control``, ``_plan``,
+``_trace`` (layer 3, above those).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from fsync import _comm, _failures
+from fsync import _comm
+from fsync._comm import _failures
 from fsync._control import FOUND, SEQ
 from fsync._plan import PLAN_CACHE_SIZE
 from fsync._trace import python_at_trace_time

@@ -21,8 +21,9 @@ own, one 1-D leaf (``"bucket3/shard"``) per bucket, which ``hook.init`` receives
 and ``ctx.plan`` carries. The shards of all ranks of a node have the same
 shapes, so every rank has the same shard plan.
 
-Owns: the shard plan and the hierarchical stages. May import: ``_comm``, ``_groups``, ``_tree``,
-``_trace``, ``_plan``, ``_pack``, ``_hook``, ``_apply`` (layers 1 to 6, below the reduce).
+Owns: the shard plan and the hierarchical stages. May import: ``_comm`` (with
+``_comm._groups``), ``_tree``, ``_trace``, ``_plan``, ``_pack``, ``_hook``, ``_apply``
+(layers 1 to 6, below the reduce).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from typing import Any
 import optree
 import torch
 
-from fsync import _comm, _groups, _pack, _tree
+from fsync import _comm, _pack, _tree
 from fsync._apply import alone, apply_hook, bucket_stage, finish_hook, start_hook
+from fsync._comm import _groups
 from fsync._hook import Hook, SyncContext
 from fsync._pack import shard_numel
 from fsync._plan import PLAN_CACHE_SIZE, BucketPlan, BucketSpec, LeafSpec

@@ -37,10 +37,11 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fsync import _checks, _comm, _pack, _reports, _sparse, _tree
+from fsync import _checks, _comm, _pack, _sparse, _tree
 from fsync._agree import Agreed, Terms, agree_on, refuse
 from fsync._allreduce import allreduce
 from fsync._apply import context
+from fsync._comm import _reports
 from fsync._control import state_words
 from fsync._hierarchy import (
     GatheringPipeline,

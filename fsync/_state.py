@@ -13,6 +13,7 @@ Owns: metadata trees and the state classes' registration. May import: ``_tree``,
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import optree
@@ -33,6 +34,17 @@ def register_state(cls: T) -> T:
     """
     torch.serialization.add_safe_globals([cls])
     return cls
+
+
+def formerly(path: str) -> Callable[[T], T]:
+    """Class decorator: ``torch.load`` (weights only) also rebuilds this state from files
+    that saved it under ``path``, the module and name it had in an earlier release."""
+
+    def register(cls: T) -> T:
+        torch.serialization.add_safe_globals([(cls, path)])
+        return cls
+
+    return register
 
 
 def like(tree: Any, /) -> Any:

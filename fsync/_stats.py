@@ -16,12 +16,12 @@ from typing import Any, NamedTuple
 import torch
 from typing_extensions import Unpack
 
-from fsync import _recorder
+from fsync._comm import _recorder
+from fsync._comm._recorder import Collective
 from fsync._hierarchy import shard_plan
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan, MiB, count
 from fsync._planner import plan_tree
-from fsync._recorder import Collective
 from fsync._reduce import SyncCall, init_hook, local_size, reduce, reduce_add, reduce_finish
 
 

@@ -17,8 +17,9 @@ from typing import Any, NamedTuple
 import torch
 from typing_extensions import Unpack
 
-from fsync import _checks, _comm, _grad, _planner, _reports, _state, _tree
+from fsync import _checks, _comm, _grad, _planner, _state, _tree
 from fsync._agree import planned, refuse, verify_plan
+from fsync._comm import _reports
 from fsync._hook import Hook
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan

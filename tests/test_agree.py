@@ -22,7 +22,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 import fsync
 from fsync._agree import AGREEMENT
-from fsync._failures import REPORT_PATIENCE_S
+from fsync._comm._failures import REPORT_PATIENCE_S
 from tests._world import World, started_early
 
 # An error must come from the control collective, long before any timeout.

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import fsync
 from fsync._agree import AGREEMENT
-from fsync._failures import REPORT_PATIENCE_S
+from fsync._comm._failures import REPORT_PATIENCE_S
 from tests._numerics import gathered, summation_bound
 from tests._world import World, started_early
 

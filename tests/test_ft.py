@@ -28,7 +28,8 @@ pytest.importorskip(
 
 import fsync
 import fsync.ft
-from fsync import _comm, _failures, _groups
+from fsync import _comm
+from fsync._comm import _failures, _groups
 from fsync.ft import _heal, _quorum
 from tests import _replicas
 from tests.conftest import get_world

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
 from fsync import _comm
-from fsync._failures import REPORT_PATIENCE_S
+from fsync._comm._failures import REPORT_PATIENCE_S
 from tests._models import (
     Backwards,
     Boom,

@@ -266,7 +266,7 @@ def test_cross_node_bytes_are_one_local_th_of_ddps():
         # Within: the whole bucket into the reduce-scatter, this rank's shard into the
         # all-gather.
         assert mesh.bytes_on(1) == ddp.bytes_on_wire + ddp.bytes_on_wire // local
-        assert mesh.control == ddp.control == (fsync._recorder.Collective(*AGREEMENT, True),)
+        assert mesh.control == ddp.control == (fsync._comm._recorder.Collective(*AGREEMENT, True),)
 
 
 def test_buckets_cross_nodes_while_others_are_reduced_within():

@@ -9,7 +9,7 @@ import torch
 
 import fsync
 from fsync import _planner
-from fsync._recorder import Collective
+from fsync._comm._recorder import Collective
 
 
 def _tree():
@@ -111,7 +111,7 @@ def test_stats_match_a_recorded_gradsync_step(single_rank, options):
     # Unused on this rank where find_unused allows it (without it, a None gradient costs
     # the step a count of ranks per leaf, which sync_stats, given no gradients, cannot see).
     grads = {**params, "b": None} if options.get("find_unused") else params
-    recorder = fsync._recorder.Recorder(3)
+    recorder = fsync._comm._recorder.Recorder(3)
     sync = fsync.GradSync(group=recorder, **options)
     state = sync.init(params)
     start = len(recorder.calls)  # after init's plan check

@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
-from fsync import _recorder
-from fsync._recorder import Collective
+from fsync._comm import _recorder
+from fsync._comm._recorder import Collective
 from tests._models import func_loss, params_of, ref_batch, ref_loss, ref_model
 from tests._numerics import assert_same_as_ddp, gathered
 from tests._world import World

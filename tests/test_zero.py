@@ -9,10 +9,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import io
 import re
+import sys
 import time
+import types
 from unittest import mock
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,8 +26,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsync
-from fsync import _comm, _groups, _tree
-from fsync._failures import REPORT_PATIENCE_S
+from fsync import _comm, _tree
+from fsync._comm import _groups
+from fsync._comm._failures import REPORT_PATIENCE_S
 from fsync._pack import shard_numel
 from tests._models import (
     Backwards,
@@ -291,6 +296,27 @@ def test_checkpoint_from_4_ranks_resumes_on_2_and_3(tmp_path):
             assert torch.equal(full.exp_avg[k], expected_state.exp_avg[k]), k
             assert torch.equal(full.exp_avg_sq[k], expected_state.exp_avg_sq[k]), k
         assert all(r[1] is None for r in results[1:])
+
+
+def test_a_state_saved_under_its_former_module_loads_weights_only(monkeypatch):
+    """A ZeroState torch.save'd by the release that kept it in ``fsync._zero_layout``."""
+    step = fsync.ops.zero(fsync.optim.adam(0.1), group=_groups.ALONE)  # no process group
+    params = {"w": torch.ones(3)}
+    params, state = step(params, {"w": torch.ones(3)}, step.init(params))
+    former = types.ModuleType("fsync._zero_layout")
+    former.ZeroState = fsync.ops.ZeroState  # type: ignore[attr-defined]
+    with monkeypatch.context() as m:  # pickled as that release pickled it
+        m.setitem(sys.modules, "fsync._zero_layout", former)
+        m.setattr(fsync.ops.ZeroState, "__module__", "fsync._zero_layout")
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+    assert b"fsync._zero_layout" in buffer.getvalue()
+    buffer.seek(0)
+    restored = torch.load(buffer)  # weights only
+    assert type(restored) is fsync.ops.ZeroState
+    for got, saved in zip(optree.tree_leaves(restored), optree.tree_leaves(state), strict=True):
+        assert got.is_meta == saved.is_meta and got.shape == saved.shape
+        assert got.is_meta or torch.equal(got, saved)
 
 
 def _on_rank_mixed_dtypes(shard_buckets):

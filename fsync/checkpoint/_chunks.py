@@ -2,7 +2,7 @@
 
 A ZeRO step's rank holds, of each leaf of each per-parameter slot of the optimizer
 state, a contiguous range ``[lo, hi)`` of the leaf's elements in the plan's memory
-order (``_zero_layout``: a bucket's shard crosses leaves where it likes). DCP
+order (``_zero._layout``: a bucket's shard crosses leaves where it likes). DCP
 (``torch.distributed.checkpoint``) reshards tensors made of rectangular chunks
 (offsets and sizes per dimension), so ``boxes`` cuts such a range into the few
 rectangles it covers (at most two per dimension, plus one), each of them one run of

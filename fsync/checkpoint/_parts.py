@@ -10,7 +10,7 @@ state, PowerSGD's) or an [fsync.DiLoCo][] (``"diloco"``); or a tuple of them, wi
 state of each kind; a ZeRO step syncs and steps by itself, so it stands alone.
 
 Owns: the kinds of step and how they combine. May import: ``_sync``, ``_diloco``,
-``_zero``, ``_zero_layout``, ``fsync.optim``.
+``_zero``, ``fsync.optim``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from typing import Any, NamedTuple
 
 from fsync._diloco import DiLoCo, DiLoCoState
 from fsync._sync import GradSync, SyncState
-from fsync._zero import ZeroStep
-from fsync._zero_layout import ZeroState
+from fsync._zero import ZeroState, ZeroStep
 from fsync.optim._base import Optimizer
 
 Step = ZeroStep | Optimizer | GradSync | DiLoCo | tuple[Any, ...]

@@ -34,8 +34,7 @@ from typing import Any
 import torch
 
 from fsync import _comm, _tree
-from fsync._zero import ZeroStep
-from fsync._zero_layout import ZeroLayout, ZeroState
+from fsync._zero import ZeroLayout, ZeroState, ZeroStep
 from fsync.checkpoint import _describe
 from fsync.checkpoint._chunks import Chunks, range_chunks
 from fsync.checkpoint._describe import Description

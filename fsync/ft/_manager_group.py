@@ -14,7 +14,7 @@ around each collective, a few tenths of a millisecond more each; see
 ``ManagerGroup.all_reduce``.)
 
 Owns: the replicas as an fsync group and a step's quorum on it (``begin``, ``meet``).
-May import: ``_comm``, ``_groups``, ``fsync.ft._quorum``, ``fsync.ft._torchft``.
+May import: ``_comm`` (with ``_comm._groups``), ``fsync.ft._quorum``, ``fsync.ft._torchft``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from fsync import _comm, _groups
+from fsync import _comm
+from fsync._comm import _groups
 from fsync.ft import _torchft
 from fsync.ft._quorum import QuorumError, lost_quorum, quorum_held
 

@@ -8,7 +8,7 @@ its outcome agreed by the group's ranks (``_InStep``): all of them go on, or all
 they close).
 
 Owns: the two-level group over replica groups and its ranks' meetings. May import:
-``_comm``, ``_groups``, ``fsync.ft._manager_group``.
+``_comm`` (with ``_comm._groups``), ``fsync.ft._manager_group``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from fsync import _comm, _groups
+from fsync import _comm
+from fsync._comm import _groups
 from fsync.ft._manager_group import ManagerGroup
 
 _WITHIN = "the replica group's own collective, within it"

@@ -21,7 +21,7 @@ Nothing but ``fn``'s own errors leaves the step: a disagreement between live
 replicas is still a ``ValueError`` everywhere, and a replica that joins with
 another tree or other options gets a ``ValueError`` at its heal, alone.
 
-Owns: the transaction. May import: ``_comm``, ``_groups``, ``_failures``,
+Owns: the transaction. May import: ``_comm`` (with ``_comm._groups`` and ``_comm._failures``),
 ``fsync.ft._manager_group``, ``fsync.ft._mesh``, ``fsync.ft._connect``, ``fsync.ft._heal``.
 """
 
@@ -35,7 +35,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsync import _comm, _failures, _groups
+from fsync import _comm
+from fsync._comm import _failures, _groups
 from fsync.ft import _connect, _heal, _manager_group, _mesh
 
 _ASYNC_QUORUM = (
@@ -219,6 +220,16 @@ class Replica:
         self.manager.shutdown(wait=False)
 
 
+def _settle(group: _groups.ReplicaGroup) -> None:
+    """Every result ``group`` returned in flight waited for, a failure ignored: at the end
+    of a step, where one that failed left the buckets issued behind the failed one
+    unwaited (c10d would keep their works, and their buckets, until the process ends)."""
+    for result in group.unsettled:
+        with contextlib.suppress(_failures.CollectiveError):  # the step's failure, reported
+            _comm.wait(result)
+    group.unsettled.clear()
+
+
 def _transact(
     replica: Replica, fn: Callable[..., Any], state: Any, args: Any, kwargs: Any
 ) -> tuple[Any, Outcome]:
@@ -237,7 +248,7 @@ def _transact(
         result, error = (state, None), failure
     finally:
         replicas.live = False
-        _comm.settle(replicas)
+        _settle(replicas)
     if not isinstance(result, tuple) or len(result) != 2:
         raise TypeError(_NOT_A_PAIR.format(got=type(result).__name__))
     new_state, value = result

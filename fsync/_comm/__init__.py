@@ -1,4 +1,4 @@
-"""The only module of fsync that talks to ``torch.distributed``.
+"""Communication: the only package of fsync that talks to ``torch.distributed``.
 
 Collectives go through ``torch.distributed._functional_collectives``, which run
 eagerly (returning tensors that wait on first use) and trace under
@@ -9,16 +9,22 @@ over all of its ranks, and ``hierarchy`` names its two dims for a hierarchical
 reduce), ``None`` for the default group, or one of the kinds no c10d group stands
 behind: a ``Recorder`` (a sync measured rather than run), a ``ReplicaGroup`` (the live
 replicas of ``fsync.ft``, whose two levels ``hierarchy`` takes as a 2-D mesh's) and
-``ALONE`` (``_groups``). With one rank no collective is issued.
+``ALONE``. With one rank no collective is issued.
+
+The package, a module per concept: this boundary (every call into c10d); ``_groups``, the
+kinds no c10d group stands behind and their one interface (``Standalone``); ``_recorder``,
+the group that records instead of issuing; ``_failures``, what a failed collective raises;
+``_reports``, naming a failure from the ranks' reports in the store. Only this module
+imports ``torch.distributed``; its children import torch and each other, and only
+``_reports`` imports this module back.
 
 Owns: every call into ``torch.distributed`` (DCP's too, for ``fsync.checkpoint``:
 ``checkpointing``) and the differences between torch releases. May import: torch,
-``_trace``, ``_recorder``, ``_groups`` and ``_failures`` (layer 1, above those alone).
+``_trace`` and this package's ``_recorder``, ``_groups`` and ``_failures`` (layer 1).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import pickle
 from collections.abc import Callable, Iterable, Sequence
@@ -34,8 +40,8 @@ from torch.distributed.distributed_c10d import (  # type: ignore[attr-defined]
 )
 
 from fsync import _trace
-from fsync._failures import COLLECTIVE_FAILED, CollectiveError
-from fsync._groups import (
+from fsync._comm._failures import COLLECTIVE_FAILED, CollectiveError
+from fsync._comm._groups import (
     REPLICAS_UNDER_COMPILE,
     Failed,
     Issued,
@@ -43,7 +49,7 @@ from fsync._groups import (
     ReplicaGroup,
     Standalone,
 )
-from fsync._recorder import Recorder
+from fsync._comm._recorder import Recorder
 
 # torch >= 2.13 deprecates all_gather_tensor/reduce_scatter_tensor in favour of the
 # *_single names; older releases only have the former.
@@ -456,16 +462,6 @@ def _waited(x: Pending, group: ReplicaGroup) -> torch.Tensor:
         group.unsettled.append(failed)
         return failed
     return x.tensor
-
-
-def settle(group: ReplicaGroup) -> None:
-    """Every result ``group`` returned in flight waited for, a failure ignored: at the end
-    of a step, where one that failed left the buckets issued behind the failed one
-    unwaited (c10d would keep their works, and their buckets, until the process ends)."""
-    for result in group.unsettled:
-        with contextlib.suppress(CollectiveError):  # the step's failure, reported already
-            wait(result)
-    group.unsettled.clear()
 
 
 def _issue_broadcasts(

@@ -76,7 +76,7 @@ class ReplicaGroup(Standalone):
     two-level group's crossing) waits inside its ``all_reduce`` and returns a
     ``Pending`` with no works left, or with one ``Failed``: the failure is still raised
     where the caller waits, which names the stage (the bucket) it broke.
-    ``_comm.settle`` waits for what a failed step left in flight. ``size`` is the
+    ``fsync.ft`` settles what a failed step left in flight. ``size`` is the
     number of replicas in this step's quorum, the divisor of a mean. Eager only: under
     ``torch.compile`` it raises ``REPLICAS_UNDER_COMPILE``. No store is read to name a
     failure: the runtime decides what a failure means.

@@ -15,7 +15,7 @@ bucket, in plan order, and issues its reduce (``push_all`` every bucket at once,
 through one call of the hook); ``advance(k)`` takes the buckets before ``k``
 through update and gather, each as soon as its reduce is waited for; ``drain``
 finishes the rest and returns every bucket whole, the new optimizer state and
-the hook's. Who calls what decides the overlap: the ZeRO step (``_zero``) pushes
+the hook's. Who calls what decides the overlap: the ZeRO step (``_step``) pushes
 every bucket at once and drains, so that every reduce is on the wire before the
 first is waited for (in a compiled graph, where a wait blocks the thread that
 computes and cannot move past a later collective, this keeps the waits out of
@@ -36,7 +36,7 @@ bucket at once, in ``drain``) and a leafwise optimizer
 its own gives the bits of one update of all pieces, see ``PieceUpdates``).
 
 Owns: the order of a ZeRO step's stages. May import: layers 1 to 6
-(``_reduce``'s stages, ``_zero_layout``) and ``fsync.optim``'s types.
+(``_reduce``'s stages, ``_layout``) and ``fsync.optim``'s types.
 """
 
 from __future__ import annotations
@@ -47,13 +47,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsync import _comm, _groups, _tree
+from fsync import _comm, _tree
 from fsync._agree import Agreement
 from fsync._apply import alone, context, finish_bucket, start_bucket
+from fsync._comm import _groups
 from fsync._hierarchy import pipelined, reduce_started, reduce_started_shards, start_within
 from fsync._hook import Hook, SyncContext
 from fsync._plan import BucketPlan
-from fsync._zero_layout import (
+from fsync._zero._layout import (
     Piece,
     ZeroLayout,
     check_pieces,

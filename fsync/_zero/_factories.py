@@ -1,17 +1,18 @@
 """The ZeRO step's factories: [fsync.ops.zero][] (the update split over the ranks) and
 [fsync.ops.replicated][] (nothing split), each a ``ZeroStep`` of settings.
 
-Owns: the factories and the sync options they build. May import: ``_zero`` and what
+Owns: the factories and the sync options they build. May import: ``_step`` and what
 it may (layers 1 to 7 below the entry points), ``fsync.optim``'s types.
 """
 
 from __future__ import annotations
 
-from fsync import _comm, _groups
+from fsync import _comm
+from fsync._comm import _groups
 from fsync._hook import Hook
 from fsync._options import OptionKeywords, SyncOptions
-from fsync._zero import ZeroStep
-from fsync._zero_layout import shard_group
+from fsync._zero._layout import shard_group
+from fsync._zero._step import ZeroStep
 from fsync.optim._base import Optimizer
 
 

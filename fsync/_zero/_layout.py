@@ -1,6 +1,6 @@
 """Which elements of which buckets a rank of a ZeRO step updates, and its state.
 
-A ZeRO step (``_zero``) splits the optimizer's work over the ranks along the
+A ZeRO step (``_step``) splits the optimizer's work over the ranks along the
 bucket plan: with ``shard_buckets=True`` each bucket is cut into ``world_size``
 equal shards (zero-padded) and every rank updates its shard of every bucket; with
 ``shard_buckets=False`` each bucket is owned whole by one rank, chosen by size so
@@ -22,9 +22,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsync import _checks, _comm, _groups, _pack, _trace, _tree
+from fsync import _checks, _comm, _pack, _trace, _tree
+from fsync._comm import _groups
 from fsync._plan import BucketPlan
-from fsync._state import register_state
+from fsync._state import formerly, register_state
 from fsync.optim._base import Optimizer
 
 _META = torch.device("meta")
@@ -45,6 +46,7 @@ GATHER_FIX = (
 )
 
 
+@formerly("fsync._zero_layout.ZeroState")  # its module until the ZeRO package
 @register_state
 class ZeroState(NamedTuple):
     """This rank's state of a [fsync.ops.ZeroStep][].

@@ -4,8 +4,8 @@ not arrive, from each rank's report in the group's c10d store.
 Entry points wrap their sync in ``naming``; a stage that knows more (the agreement, the
 backward's buckets) calls ``named`` itself.
 
-Owns: the reports and the words built from them. May import: torch, ``_comm``,
-``_groups`` and ``_failures`` (layer 2, above ``_comm``).
+Owns: the reports and the words built from them. May import: torch, ``_comm`` and its
+``_groups`` and ``_failures`` (above the package's boundary, ``_comm/__init__``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import torch
 
 from fsync import _comm
-from fsync._failures import CAUSES, REPORT_PATIENCE_S, CollectiveError, ranks_in_words
-from fsync._groups import ReplicaGroup
+from fsync._comm._failures import CAUSES, REPORT_PATIENCE_S, CollectiveError, ranks_in_words
+from fsync._comm._groups import ReplicaGroup
 
 _T = TypeVar("_T")
 

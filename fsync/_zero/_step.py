@@ -15,12 +15,12 @@ calling the same reduce:
   Gradients are all-reduced, the owner updates the bucket and broadcasts it.
 
 Which rank updates which elements is a pure value, ``ZeroLayout``
-(``_zero_layout``), computed from the plan, the world size, the rank and the
+(``_layout``), computed from the plan, the world size, the rank and the
 mode. The step object holds settings only; the state holds tensors, the
 parameter tree's metadata included, so the first call already updates the
 parameters and there are no warm-up iterations.
 
-Per bucket the step is three stages, reduce, update, gather (``_zero_stages``).
+Per bucket the step is three stages, reduce, update, gather (``_stages``).
 The step after the gradients exist issues every bucket's reduce, then updates
 and gathers bucket after bucket. The ZeRO step's own gradient call
 (``ZeroStep.value_and_step``, eager) runs them during backward instead, as
@@ -34,7 +34,7 @@ rank alone (``_groups.ALONE``), so the layout is a world of one that owns every 
 whole, the reduce an all-reduce over ``group``, and the gather the identity.
 
 Owns: ``ZeroStep`` (its calls, eager and overlapped) and ``zero_state_dict``; the
-factories that build it are ``_zero_factories``. May import: every layer below (1 to 6)
+factories that build it are ``_factories``. May import: every layer below (1 to 6)
 and ``fsync.optim``.
 """
 
@@ -47,16 +47,17 @@ from typing import Any
 
 import torch
 
-from fsync import _checks, _comm, _pack, _planner, _reports, _state, _tree
+from fsync import _checks, _comm, _pack, _planner, _state, _tree
 from fsync._agree import planned, refuse, verify_plan
 from fsync._apply import context
 from fsync._backward import synced_backward
+from fsync._comm import _reports
 from fsync._hook import Hook
 from fsync._options import SyncOptions
 from fsync._plan import BucketPlan
 from fsync._reduce import SyncCall, agree_and_pack, dense, hook_of, init_hook
 from fsync._torch_func import TorchFunc
-from fsync._zero_layout import (
+from fsync._zero._layout import (
     ZeroLayout,
     ZeroState,
     check_state,
@@ -65,7 +66,7 @@ from fsync._zero_layout import (
     shard_full,
     zero_layout,
 )
-from fsync._zero_stages import OverlappedStages, ZeroPipeline, ZeroUpdate
+from fsync._zero._stages import OverlappedStages, ZeroPipeline, ZeroUpdate
 from fsync.optim._base import Optimizer
 
 _META = torch.device("meta")
