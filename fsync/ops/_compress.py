@@ -117,15 +117,8 @@ def bf16_compress(inner: Hook | None = None) -> Hook:
     of a float32 all-reduce, or half of what ``inner`` sends in float32.
 
     Args:
-        inner: The hook to run on the bfloat16 buckets. Default:
-            ``fsync.ops.allreduce("mean")``.
-
-    Returns:
-        A [fsync.Hook][] whose state is ``inner``'s.
-
-    Raises:
-        TypeError: ``inner`` is not a hook; at ``init``/``apply``: a bucket is
-            not floating point.
+        inner: The hook to run on the bfloat16 buckets (default: the mean all-reduce);
+            the hook returned keeps its state, and raises what fp16_compress's does.
 
     Example:
         >>> import torch, fsync

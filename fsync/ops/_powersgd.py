@@ -383,26 +383,9 @@ def batched_powersgd(
     for each compressed bucket (a 4 MiB float32 bucket at rank 1: 2048 of
     1048576 elements), in two all-reduces.
 
-    Args:
-        rank: Columns of P and Q.
-        start_step: Number of plain all-reduce steps before compression starts.
-        min_compression_rate: A bucket is compressed only if that divides its
-            elements on the wire by more than this.
-        error_feedback: Add what compression lost on this rank to the next
-            step's gradient.
-        warm_start: Start each step's power iteration from the last step's Q.
-        orthogonalization_epsilon: Added to each column norm when
-            orthonormalising.
-        seed: Seeds the random Q, identically on every rank.
-
-    Returns:
-        A [fsync.Hook][] whose state is a [PowerSGDState][fsync.ops.PowerSGDState].
-
-    Raises:
-        TypeError: An integer setting is not an int; at ``init``/``apply``: a
-            bucket is not floating point, or the state is not a PowerSGDState.
-        ValueError: ``rank < 1``, a negative ``start_step``, rate or epsilon;
-            at ``apply``: the state was made for another plan or other settings.
+    The settings are [powersgd][fsync.ops.powersgd]'s, each applied to a bucket where
+    powersgd's applies to a leaf; so are the hook it returns (its state a
+    [PowerSGDState][fsync.ops.PowerSGDState]) and the errors it raises.
 
     Example:
         >>> import torch, fsync

@@ -156,19 +156,11 @@ def adamw(
     ``p *= 1 - lr * weight_decay``, before the moment update instead of being
     added to the gradient.
 
+    ``lr``, ``betas`` and ``eps`` are adam's, and so are the optimizer returned (its state
+    an [AdamState][fsync.optim.AdamState]) and the errors raised.
+
     Args:
-        lr: The learning rate: a float, or a one-element tensor read at every
-            update (change it in place for a schedule; a compiled step does not
-            recompile). A float64 tensor gives the same results as the float.
-        betas: Decay rates of the first and second moment estimates.
-        eps: Added to the denominator.
         weight_decay: Decoupled weight decay coefficient.
-
-    Returns:
-        An [Optimizer][fsync.optim.Optimizer] whose state is an [AdamState][fsync.optim.AdamState].
-
-    Raises:
-        ValueError: A hyper-parameter is out of range.
 
     Example:
         >>> import torch, fsync
