@@ -67,6 +67,9 @@ from fsync._reduce import Reduced, SyncCall, hook_of, terms
 
 _Job = tuple[Callable[[], None], threading.Event]
 
+# The sequence number of autograd's AccumulateGrad nodes (UINT64_MAX): run once ready.
+_AS_SOON_AS_READY = 2**64 - 1
+
 
 @functools.lru_cache(maxsize=1)
 def _idle_starters(pid: int) -> queue.SimpleQueue[queue.SimpleQueue[_Job]]:
@@ -172,7 +175,13 @@ class Buckets:
             )
             for i, view in zip(spec.leaves, views, strict=True):
                 out[i] = view
-            self._nodes[id(views[0].grad_fn)] = k
+            node = views[0].grad_fn
+            # Autograd runs the ready node of the highest sequence number first, and these
+            # nodes, made before the forward pass, have the lowest: without this each
+            # would wait for the whole backward. AccumulateGrad's number, which DDP's
+            # hooks run at: the bucket is packed as soon as its last gradient exists.
+            node._set_sequence_nr(_AS_SOON_AS_READY)
+            self._nodes[id(node)] = k
         return out, token
 
     def reachable(self, output: torch.Tensor) -> list[bool]:

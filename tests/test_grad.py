@@ -270,6 +270,51 @@ def test_buckets_leave_in_plan_order_when_backward_completes_them_in_reverse(wor
     world.run(_on_rank_plan_order)
 
 
+class _Reached(torch.autograd.Function):
+    """The identity, whose backward notes that backward has reached it."""
+
+    @staticmethod
+    def forward(ctx, x, events):
+        ctx.events = events
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.events.append("first layer reached")
+        return grad, None
+
+
+def test_each_bucket_is_packed_as_soon_as_backward_completes_it(single_rank, monkeypatch):
+    # DDP's overlap: a bucket leaves while backward computes the layers before it. Autograd
+    # runs the ready node of the highest sequence number first, and a bucket's node is made
+    # before the forward pass: left at its own number it would run after the whole backward.
+    events = []
+    original = fsync._pack.pack_grads
+
+    def pack_grads(grads, spec):
+        events.append(f"bucket of {spec.numel}")
+        return original(grads, spec)
+
+    monkeypatch.setattr(fsync._pack, "pack_grads", pack_grads)
+    widths = [6, 7, 8, 9, 10]  # a bucket a layer (each over TINY's 26 floats), sizes apart
+
+    def loss(params, x, mark=True):
+        for k in range(len(widths) - 1):
+            x = torch.tanh(x @ params[f"w{k}"])
+            x = _Reached.apply(x, events) if k == 0 and mark else x
+        return x.sum()
+
+    params = {f"w{k}": torch.randn(widths[k], widths[k + 1]) for k in range(len(widths) - 1)}
+    x = torch.randn(3, widths[0])
+    sum_hook = fsync.ops.allreduce("sum")  # with one rank, the mean would pack nothing
+    grads = fsync.grad(loss, hook=sum_hook, **TINY)(params, x)
+    # Backward order: w3, w2, w1, then the first layer (w0). Every later layer's bucket is
+    # packed before backward reaches the first layer; the first layer's after.
+    assert events == ["bucket of 90", "bucket of 72", "bucket of 56", "first layer reached",
+                      "bucket of 42"], events  # fmt: skip
+    _assert_equal(grads, torch.func.grad(loss)(params, x, False))  # one rank: the gradient
+
+
 class _Branchy(nn.Module):
     """A trunk, a branch that only rank 0 takes, and a head that no rank uses."""
 
