@@ -30,7 +30,7 @@ import fsync
 import fsync.ft
 from fsync import _comm
 from fsync._comm import _failures, _groups
-from fsync.ft import _heal, _quorum
+from fsync.ft import _heal, _quorum, _transaction
 from tests import _replicas
 from tests.conftest import get_world
 
@@ -580,7 +580,7 @@ def test_the_replicas_buckets_are_on_the_wire_together_and_a_failure_names_its_b
     # step settles (Replica.step does), which does not wait on the wire for a lost step.
     registry = torch._C._distributed_c10d._get_work_registry_size
     assert registry() == 1 and group.unsettled
-    _comm.settle(group)
+    _transaction.settle(group)
     assert registry() == 0 and not group.unsettled and ("wait", 3) not in failing.log
     # Over a replica group of several ranks each crossing is waited for at once (and agreed
     # within), whatever the replicas' group does alone: nothing of it is left in flight.
@@ -762,7 +762,7 @@ def _on_rank_a_crossing_failed_on_one_rank(entry):
     assert one.item() == 2, rank
     # What the failed crossing left is the replicas' group's to settle, as the step does.
     assert mesh.across.unsettled
-    _comm.settle(mesh.across)
+    _transaction.settle(mesh.across)
     assert not mesh.across.unsettled
     assert torch._C._distributed_c10d._get_work_registry_size() == 0
     said = str(failure.value)

@@ -220,7 +220,7 @@ class Replica:
         self.manager.shutdown(wait=False)
 
 
-def _settle(group: _groups.ReplicaGroup) -> None:
+def settle(group: _groups.ReplicaGroup) -> None:
     """Every result ``group`` returned in flight waited for, a failure ignored: at the end
     of a step, where one that failed left the buckets issued behind the failed one
     unwaited (c10d would keep their works, and their buckets, until the process ends)."""
@@ -248,7 +248,7 @@ def _transact(
         result, error = (state, None), failure
     finally:
         replicas.live = False
-        _settle(replicas)
+        settle(replicas)
     if not isinstance(result, tuple) or len(result) != 2:
         raise TypeError(_NOT_A_PAIR.format(got=type(result).__name__))
     new_state, value = result
