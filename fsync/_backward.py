@@ -12,8 +12,9 @@ the same with no state kept afterwards:
    is issued (``_agree.begin``): only its control all-reduce, which is on the
    wire during backward;
 2. one backward (``torch.autograd.grad`` for a token all the nodes take, so
-   that nothing is accumulated anywhere); autograd runs a bucket's node once it
-   holds all of the bucket's gradients, and the node packs them into the
+   that nothing is accumulated anywhere); autograd runs a bucket's node as soon as
+   it holds all of the bucket's gradients (it has AccumulateGrad's sequence number,
+   the one autograd runs first among ready nodes), and the node packs them into the
    bucket's buffer in one batched copy, in the bucket's dtype and each leaf's
    memory order (``_pack.pack_grads``): one Python call per bucket, not per leaf;
 3. a starter thread takes complete buckets in the plan's order (a complete
