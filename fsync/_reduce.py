@@ -20,9 +20,8 @@ back to back (``reduce``); the ZeRO step asks the hook for shards
 (``SyncContext.scatter``); [fsync.DeferredSync][] stops ``add`` after
 ``reduce_within`` and runs ``finish`` from ``reduce_across`` on; and
 [fsync.grad_and_value][] (``_backward``) agrees before backward, packs each
-gradient as autograd produces it and starts each bucket (``start_bucket``) as
-soon as it is complete. Sparse buckets never reach a hook: fsync averages them
-itself (``with_sparse``), after the dense ones.
+bucket as autograd completes it and starts it (``start_bucket``) in plan order. Sparse buckets never reach a hook: fsync averages them
+itself (``with_sparse``: an all-gather and a coalesce, as DDP), after the dense ones.
 
 Owns: the stages of a sync and their order. May import: everything below it (layers 1
 to 6, ``_apply`` and ``_hierarchy`` among them; ``_allreduce``, the default hook).
@@ -37,7 +36,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fsync import _checks, _comm, _pack, _sparse, _tree
+from fsync import _checks, _comm, _pack, _tree
 from fsync._agree import Agreed, Terms, agree_on, refuse
 from fsync._allreduce import allreduce
 from fsync._apply import context
@@ -244,9 +243,43 @@ def with_sparse(
     """Reduced dense buffers and the mean of each sparse one, in the plan's order."""
     out = iter(reduced)
     return [
-        _sparse.sparse_mean(b, ctx) if spec.sparse else next(out)
+        _sparse_mean(b, ctx) if spec.sparse else next(out)
         for b, spec in zip(buffers, plan.specs, strict=True)
     ]
+
+
+def _sparse_mean(x: torch.Tensor, ctx: SyncContext) -> torch.Tensor:
+    """The mean over ``ctx.group`` of a sparse COO tensor, as DDP computes it.
+
+    As DDP does, each rank divides its values by the divisor, then the ranks'
+    entries are summed: every rank's indices and values are all-gathered (padded
+    to the largest count, one small all-gather of the counts first) and
+    coalesced, which adds the values of repeated indices. The result is a
+    coalesced sparse tensor.
+    """
+    x = x.coalesce()
+    divisor = ctx.divisor
+    values = x.values() / (divisor.to(x.dtype) if isinstance(divisor, torch.Tensor) else divisor)
+    indices = x.indices()
+    if ctx.world_size == 1:
+        return torch.sparse_coo_tensor(indices, values, x.shape, check_invariants=True).coalesce()
+    nnz = torch.tensor([values.shape[0]], dtype=torch.int64, device=x.device)
+    counts = _comm.wait(_comm.all_gather(nnz, ctx.group)).tolist()
+    most = max(counts)
+    # Gathered along dim 0, so entries go first: indices as (nnz, sparse_dims).
+    padded_indices = indices.new_zeros(most, indices.shape[0])
+    padded_indices[: values.shape[0]] = indices.t()
+    padded_values = values.new_zeros(most, *values.shape[1:])
+    padded_values[: values.shape[0]] = values
+    all_indices = _comm.wait(_comm.all_gather(padded_indices, ctx.group))
+    all_values = _comm.wait(_comm.all_gather(padded_values, ctx.group))
+    keep = torch.cat(
+        [torch.arange(r * most, r * most + n, device=x.device) for r, n in enumerate(counts)]
+    )
+    # The indices come from other processes: have torch check them.
+    return torch.sparse_coo_tensor(
+        all_indices[keep].t(), all_values[keep], x.shape, check_invariants=True
+    ).coalesce()
 
 
 # --- the stages back to back ---------------------------------------------------------------------
