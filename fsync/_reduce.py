@@ -20,8 +20,9 @@ back to back (``reduce``); the ZeRO step asks the hook for shards
 (``SyncContext.scatter``); [fsync.DeferredSync][] stops ``add`` after
 ``reduce_within`` and runs ``finish`` from ``reduce_across`` on; and
 [fsync.grad_and_value][] (``_backward``) agrees before backward, packs each
-bucket as autograd completes it and starts it (``start_bucket``) in plan order. Sparse buckets never reach a hook: fsync averages them
-itself (``with_sparse``: an all-gather and a coalesce, as DDP), after the dense ones.
+bucket as autograd completes it and starts it (``start_bucket``) in plan order.
+Sparse buckets never reach a hook: fsync averages them itself (``with_sparse``: an
+all-gather and a coalesce, as DDP does), after the dense ones.
 
 Owns: the stages of a sync and their order. May import: everything below it (layers 1
 to 6, ``_apply`` and ``_hierarchy`` among them; ``_allreduce``, the default hook).
