@@ -46,7 +46,7 @@ GATHER_FIX = (
 )
 
 
-@formerly("fsync._zero_layout.ZeroState")  # its module until the ZeRO package
+@formerly("fsync._zero_layout.ZeroState")  # the path in files saved before the package
 @register_state
 class ZeroState(NamedTuple):
     """This rank's state of a [fsync.ops.ZeroStep][].

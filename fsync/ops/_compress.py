@@ -116,9 +116,11 @@ def bf16_compress(inner: Hook | None = None) -> Hook:
     backend that all-reduces bfloat16 (gloo included). Bytes on the wire: half
     of a float32 all-reduce, or half of what ``inner`` sends in float32.
 
+    The hook returned has ``inner``'s state and raises what fp16_compress's raises.
+
     Args:
-        inner: The hook to run on the bfloat16 buckets (default: the mean all-reduce);
-            the hook returned keeps its state, and raises what fp16_compress's does.
+        inner: The hook to run on the bfloat16 buckets. Default:
+            ``fsync.ops.allreduce("mean")``.
 
     Example:
         >>> import torch, fsync
