@@ -18,13 +18,14 @@ the same with no state kept afterwards:
    bucket's buffer in one batched copy, in the bucket's dtype and each leaf's
    memory order (``_pack.pack_grads``): one Python call per bucket, not per leaf;
 3. a starter thread takes complete buckets in the plan's order (a complete
-   bucket waits for those before it, as in DDP's Reducer): the first waits for
-   the agreement, each then goes through a bucketwise hook on its own
-   (``_reduce.start_bucket``), or, for any other hook, waits for the rest (on a
-   2-D mesh its within-node reduce-scatter is issued already);
+   bucket waits for those before it, as in DDP's Reducer), all but the last: the
+   first waits for the agreement, each then goes through a bucketwise hook on its
+   own (``_reduce.start_bucket``), or, for any other hook, waits for the rest (on
+   a 2-D mesh its within-node reduce-scatter is issued already);
 4. after backward, a bucket that got no gradient (``fn`` uses none of its
-   leaves) is zeros, the buckets left are started, a hook that is not bucketwise
-   runs on all of them, the call waits and unpacks.
+   leaves) is zeros, the caller's thread starts the last bucket once the starter
+   is through, a hook that is not bucketwise runs on all of them, the call waits
+   and unpacks.
 
 With one rank and the default mean there is nothing to sync: ``plain_backward``
 is autograd's call alone, its gradients the result.
@@ -147,9 +148,9 @@ class Buckets:
     ``inputs`` gives ``fn`` the leaves through one autograd node per bucket
     (``_Filled``), whose backward packs the bucket's gradients into its buffer in
     one batched copy (``_pack.pack_grads``); ``run`` has a starter thread hand
-    complete buckets to ``start`` in the plan's order; ``close`` (after backward)
-    makes the buckets that got no gradient at all zeros; ``join`` waits for the
-    starter and raises what it raised.
+    complete buckets but the last to ``start`` in the plan's order; ``close``
+    (after backward) makes the buckets that got no gradient at all zeros and
+    starts the last; ``join`` waits for the starter and raises what it raised.
     """
 
     def __init__(self, plan: BucketPlan) -> None:
@@ -164,6 +165,7 @@ class Buckets:
         self._error: BaseException | None = None
         self._issuing = _Issuing(plan)
         self._finished: threading.Event | None = None
+        self._start: Callable[[int, torch.Tensor], None] | None = None
 
     def inputs(self, leaves: Sequence[torch.Tensor | None]) -> tuple[list[Any], torch.Tensor]:
         """``leaves`` as ``fn`` receives them, and the token to differentiate for."""
@@ -226,14 +228,31 @@ class Buckets:
                 self._fill(k, (None,) * len(spec.leaves))
 
     def close(self) -> None:
-        """Backward is over: a bucket that got no gradient is zeros, every bucket complete."""
+        """Backward is over: a bucket that got no gradient is zeros, and once the starter
+        has started the others, the last bucket starts on this thread; raises what the
+        starter raised.
+
+        The last bucket in plan order is the last that backward completes (the plan
+        follows backward's order, as DDP's does), so at this point the caller's thread
+        would only wait for the starter to take it: starting it here spares that
+        hand-off and the two threads' turns at the GIL, and a plan of one bucket
+        (a small model's) needs no starter at all.
+        """
         for k, spec in enumerate(self._plan.specs):
             if self.buffers[k] is None:
                 self._fill(k, (None,) * len(spec.leaves))
+        self.join()
+        if self.buffers and self._start is not None:
+            last = len(self.buffers) - 1
+            with self._issuing.stream():
+                self._start(last, self.buffers[last])  # type: ignore[arg-type]
 
     def run(self, start: Callable[[int, torch.Tensor], None]) -> None:
-        """Has a starter thread give complete buckets to ``start`` from now on."""
-        self._finished = on_starter(functools.partial(self._start_in_order, start))
+        """Has a starter thread give complete buckets but the last to ``start`` from now
+        on; ``close`` gives the last."""
+        self._start = start
+        if len(self.buffers) > 1:
+            self._finished = on_starter(functools.partial(self._start_in_order, start))
 
     def stop(self) -> None:
         """No bucket is started from now on (the call failed)."""
@@ -254,7 +273,7 @@ class Buckets:
     def _start_in_order(self, start: Callable[[int, torch.Tensor], None]) -> None:
         try:
             with self._issuing.stream():
-                for k in range(len(self.buffers)):
+                for k in range(len(self.buffers) - 1):  # the last: ``close``'s
                     with self._changed:
                         self._changed.wait_for(functools.partial(self._ready, k))
                         if self._stopped:
@@ -419,7 +438,6 @@ def synced_backward(
         raise
     try:
         buckets.close()
-        buckets.join()
         return reducer.finish(), output
     except _failures.CollectiveError as failure:
         raise _reports.named(failure, group, start, step=call.step) from failure

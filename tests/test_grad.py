@@ -315,6 +315,45 @@ def test_each_bucket_is_packed_as_soon_as_backward_completes_it(single_rank, mon
     _assert_equal(grads, torch.func.grad(loss)(params, x, False))  # one rank: the gradient
 
 
+def test_the_caller_starts_the_last_bucket_and_the_starter_thread_the_others(
+    single_rank, monkeypatch
+):
+    # The last bucket in plan order is the last backward completes: the caller's thread
+    # would only wait for the starter to take it, so it starts it itself; a plan of one
+    # bucket makes no starter thread at all.
+    started = []
+    original = fsync._backward.Reducer.start
+
+    def start(self, k, buffer):
+        started.append((k, threading.current_thread() is threading.main_thread()))
+        return original(self, k, buffer)
+
+    monkeypatch.setattr(fsync._backward.Reducer, "start", start)
+    widths = [6, 7, 8, 9, 10]  # a bucket a layer, as above
+
+    def loss(params, x):
+        for k in range(len(widths) - 1):
+            x = torch.tanh(x @ params[f"w{k}"])
+        return x.sum()
+
+    params = {f"w{k}": torch.randn(widths[k], widths[k + 1]) for k in range(len(widths) - 1)}
+    x = torch.randn(3, widths[0])
+    sum_hook = fsync.ops.allreduce("sum")
+    grads = fsync.grad(loss, hook=sum_hook, **TINY)(params, x)
+    assert started == [(0, False), (1, False), (2, False), (3, True)], started
+    _assert_equal(grads, torch.func.grad(loss)(params, x))
+
+    started.clear()
+
+    def no_thread(job):
+        raise AssertionError("a plan of one bucket made a starter thread")
+
+    monkeypatch.setattr(fsync._backward, "on_starter", no_thread)
+    grads = fsync.grad(loss, hook=sum_hook)(params, x)  # 25 MiB buckets: one
+    assert started == [(0, True)], started
+    _assert_equal(grads, torch.func.grad(loss)(params, x))
+
+
 class _Branchy(nn.Module):
     """A trunk, a branch that only rank 0 takes, and a head that no rank uses."""
 
