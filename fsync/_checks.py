@@ -175,14 +175,22 @@ def check_rank(name: str, value: Any, world_size: int) -> None:
         )
 
 
-def check_optimizer(optimizer: Any) -> None:
-    """Raises ``TypeError`` unless ``optimizer`` looks like an ``fsync.optim.Optimizer``."""
+def check_optimizer(
+    optimizer: Any, name: str = "optimizer", *, owner: str = "the ZeRO step"
+) -> None:
+    """Raises ``TypeError`` unless ``optimizer`` looks like a pure ``fsync.optim.Optimizer``:
+    ``owner`` keeps the state it updates, so an in-place one is refused too."""
     if not (
         callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
     ):
         raise TypeError(
-            f"optimizer is a {type(optimizer).__name__}; expected an fsync.optim.Optimizer "
+            f"{name} is a {type(optimizer).__name__}; expected an fsync.optim.Optimizer "
             "(init, update), such as fsync.optim.adamw(1e-3)."
+        )
+    if getattr(optimizer, "in_place", False):
+        raise TypeError(
+            f"{name} updates in place (in_place=True); {owner} owns the state it updates and "
+            "takes a pure optimizer: make it without in_place, e.g. fsync.optim.adamw(1e-3)."
         )
 
 

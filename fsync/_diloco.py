@@ -126,8 +126,8 @@ def diloco(
         A [fsync.DiLoCo][] pair ``(init, update)``.
 
     Raises:
-        TypeError: ``outer`` is not an [fsync.optim.Optimizer][], or an option
-            is unknown; at ``init``/``update``: a leaf is not a floating point
+        TypeError: ``outer`` is not an [fsync.optim.Optimizer][] or updates in
+            place, or an option is unknown; at ``init``/``update``: a leaf is not a floating point
             tensor, or the state is not a [fsync.DiLoCoState][].
         ValueError: ``inner_steps`` is not a positive integer, an option is
             invalid; at ``update``: ``params`` do not match the anchor, or the
@@ -157,6 +157,7 @@ def diloco(
             f"outer is a {type(outer).__name__}; expected an fsync.optim.Optimizer such as "
             "fsync.optim.sgd(0.7, momentum=0.9, nesterov=True) (DiLoCo's, the default)."
         )
+    _checks.check_optimizer(outer, "outer", owner="diloco")
     sync = GradSync(group=group, **options)
     if sync.options.find_unused:
         raise ValueError(

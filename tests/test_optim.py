@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 
+import optree
 import pytest
 import torch
 import torch._dynamo
@@ -103,6 +104,70 @@ def test_matches_torch_optim(case, dtype):
         else:
             # A float64 lr tensor holds the same double as the float.
             assert torch.equal(with_tensor[k], ref[k]), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_in_place_matches_torch_optim_in_the_given_tensors(case, dtype):
+    """``in_place=True``: torch.optim's own in-place kernels on the caller's tensors, so the
+    same bits as torch.optim (and as the pure update), written where torch.optim writes."""
+    make, cls, kwargs = CASES[case]
+    ref = _run_torch(cls, kwargs, _params(dtype))
+    params = {k: v.clone() for k, v in _params(dtype).items()}
+    opt = make(LR, in_place=True, **kwargs)
+    assert opt.in_place and not make(LR, **kwargs).in_place
+    state = opt.init(params)
+    state_tensors = optree.tree_leaves(state)
+    for s in range(STEPS):
+        out, state = opt.update(params, _grads(params, s), state)
+        assert all(out[k] is params[k] for k in params)  # the given tensors, updated
+        now = optree.tree_leaves(state)
+        assert all(a is b for a, b in zip(now, state_tensors, strict=True))
+    assert int(state.step) == STEPS
+    for k in ref:
+        assert params[k].stride() == ref[k].stride(), k
+        assert torch.equal(params[k], ref[k]), (k, (params[k] - ref[k]).abs().max())
+
+
+@pytest.mark.parametrize("make", [fsync.optim.sgd, fsync.optim.adamw])
+def test_compiled_in_place_update_writes_the_given_tensors(make):
+    """Traced, an in-place update is the pure one copied into the given tensors: the same
+    tensors come back, holding what the eager update computes."""
+    steps = 3
+    kwargs = {"momentum": 0.9} if make is fsync.optim.sgd else {}
+    params = {"w": torch.randn(50, 30), "b": torch.randn(300).to(torch.bfloat16)}
+    torch._dynamo.reset()
+    opt = make(0.1, in_place=True, **kwargs)
+    compiled = torch.compile(opt.update, fullgraph=True)
+    mine = {k: v.clone() for k, v in params.items()}
+    state = opt.init(mine)
+    pure = make(0.1, **kwargs)
+    expected, pure_state = params, pure.init(params)
+    for _ in range(steps):
+        grads = {k: torch.randn(v.shape).to(v.dtype) for k, v in params.items()}
+        out, new_state = compiled(mine, grads, state)
+        assert all(out[k] is mine[k] for k in mine) and new_state.step is state.step
+        state = new_state
+        expected, pure_state = pure.update(expected, grads, pure_state)
+    assert int(state.step) == steps
+    for k in params:
+        # As in the test above: the fused kernel keeps float32 intermediates where eager
+        # rounds after each operation, one rounding of the parameter per step in both, so
+        # at most about one ulp of the parameters' scale per step.
+        ulp = torch.finfo(params[k].dtype).eps * expected[k].abs().max().float()
+        assert (mine[k].float() - expected[k].float()).abs().max() <= steps * ulp, k
+
+
+def test_zero_and_diloco_refuse_an_in_place_optimizer():
+    in_place = fsync.optim.adamw(1e-3, in_place=True)
+    with pytest.raises(TypeError, match=r"updates in place.*the ZeRO step owns the state"):
+        fsync.ops.zero(in_place)
+    with pytest.raises(TypeError, match=r"updates in place.*the ZeRO step owns the state"):
+        fsync.ops.replicated(in_place)
+    with pytest.raises(TypeError, match=r"outer updates in place.*diloco owns the state"):
+        fsync.diloco(2, outer=in_place)
+    with pytest.raises(TypeError, match=r"in_place must be True or False; got 1"):
+        fsync.optim.sgd(0.1, in_place=1)
 
 
 def test_float32_lr_tensor_is_read_as_its_value():

@@ -71,8 +71,8 @@ def zero(
         ``params, state = step(params, grads, state)``.
 
     Raises:
-        TypeError: ``optimizer`` or ``hook`` has the wrong type, or
-            ``update_in_backward`` is not a bool or ``None``.
+        TypeError: ``optimizer`` or ``hook`` has the wrong type, ``optimizer``
+            updates in place, or ``update_in_backward`` is not a bool or ``None``.
         ValueError: A bucket size is not a finite positive number, or ``group`` is
             the replica group of an [fsync.ft.Replica][] of one rank.
 
@@ -137,8 +137,8 @@ def replicated(
         params, batch)``.
 
     Raises:
-        TypeError: ``optimizer`` or ``hook`` has the wrong type, or
-            ``update_in_backward`` is not a bool or ``None``.
+        TypeError: ``optimizer`` or ``hook`` has the wrong type, ``optimizer``
+            updates in place, or ``update_in_backward`` is not a bool or ``None``.
         ValueError: A bucket size is not a finite positive number.
 
     Example:

@@ -33,8 +33,10 @@ def _adam(
     eps: float,
     weight_decay: float,
     decoupled: bool,
+    in_place: bool,
 ) -> Optimizer:
     lr = _base.check_lr(lr)
+    in_place = _base.check_in_place(in_place)
     if not isinstance(betas, tuple | list) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}.")
     beta1 = _base.check_hyper("betas[0]", betas[0], high=1.0, high_open=True)
@@ -55,7 +57,9 @@ def _adam(
         p_leaves, g_leaves, (m_leaves, v_leaves), rebuild = _base.flatten_update(
             name, params, grads, [state.exp_avg, state.exp_avg_sq]
         )
-        step = state.step + 1
+        eager = not torch.compiler.is_compiling()
+        writes = in_place and eager  # torch.optim's in-place kernels on the given tensors
+        step = state.step.add_(1) if writes else state.step + 1
         # The scalars torch.optim computes in Python doubles from step.item(), as
         # float64 tensors: same values, and no recompile as the step count grows.
         t = step.to(torch.float64)
@@ -68,7 +72,6 @@ def _adam(
         # the number torch.optim passes, the moment and the parameter updated in place
         # (four new tensors per parameter where the spelled-out forms make six, and no
         # page faults). The step count is a CPU tensor.
-        eager = not torch.compiler.is_compiling()
         step_size = neg_step_size.item() if eager else neg_step_size
         shrinks = bool(weight_decay and decoupled)  # then p below is a product made here
         new_p, new_m, new_v = [], [], []
@@ -79,27 +82,31 @@ def _adam(
                 new_v.append(v)
                 continue
             if shrinks:
-                p = torch.mul(p, decay)
+                p = p.mul_(decay) if writes else torch.mul(p, decay)
             elif weight_decay:
                 g = _base.add_scaled(g, p, weight_decay)
-            m = torch.lerp(m, g, 1 - beta1)
-            # In-place operations only on tensors made here, never on the inputs.
-            # (Not addcmul_ when compiling: functionalization would split it into a
-            # multiply and an add, two roundings where the kernel makes one.)
-            v = torch.mul(v, beta2)
+            m = m.lerp_(g, 1 - beta1) if writes else torch.lerp(m, g, 1 - beta1)
+            # In-place operations only on tensors made here, or on the given ones where
+            # ``in_place`` says so. (Not addcmul_ when compiling: functionalization would
+            # split it into a multiply and an add, two roundings where the kernel makes one.)
+            v = v.mul_(beta2) if writes else torch.mul(v, beta2)
             v = (
                 v.addcmul_(g, g, value=1 - beta2)
                 if eager
                 else torch.addcmul(v, g, g, value=1 - beta2)
             )
             denom = torch.sqrt(v).div_(bias_correction2_sqrt).add_(eps)
-            new_p.append(_base.addcdiv(p, m, denom, step_size, inplace=shrinks))
+            new_p.append(_base.addcdiv(p, m, denom, step_size, inplace=shrinks or writes))
             del denom  # freed before the next parameter's is made
             new_m.append(m)
             new_v.append(v)
+        if in_place and not eager:  # traced: the pure results, copied into the given tensors
+            new_p = _base.write_into(p_leaves, new_p)
+            new_m, new_v = _base.write_into(m_leaves, new_m), _base.write_into(v_leaves, new_v)
+            step = state.step.copy_(step)
         return rebuild(new_p), AdamState(step, rebuild(new_m), rebuild(new_v))
 
-    return Optimizer(init, update, leafwise=True)
+    return Optimizer(init, update, leafwise=True, in_place=in_place)
 
 
 def adam(
@@ -108,6 +115,7 @@ def adam(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    in_place: bool = False,
 ) -> Optimizer:
     """Adam, numerically ``torch.optim.Adam``.
 
@@ -125,12 +133,17 @@ def adam(
         betas: Decay rates of the first and second moment estimates.
         eps: Added to the denominator.
         weight_decay: L2 penalty added to the gradient.
+        in_place: ``update`` writes the new parameters into the tensors of the
+            ``params`` it is given and the new state into the state's, as
+            ``torch.optim.Adam`` does, and returns those tensors: no second copy of
+            the parameters, and a memory pass less (see [Optimizer][fsync.optim.Optimizer]).
 
     Returns:
         An [Optimizer][fsync.optim.Optimizer] whose state is an [AdamState][fsync.optim.AdamState].
 
     Raises:
         ValueError: A hyper-parameter is out of range.
+        TypeError: ``in_place`` is not a bool.
 
     Example:
         >>> import torch, fsync
@@ -140,7 +153,7 @@ def adam(
         >>> params["w"]
         tensor([-0.1000,  0.1000])
     """
-    return _adam("adam", lr, betas, eps, weight_decay, decoupled=False)
+    return _adam("adam", lr, betas, eps, weight_decay, decoupled=False, in_place=in_place)
 
 
 def adamw(
@@ -149,6 +162,7 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
+    in_place: bool = False,
 ) -> Optimizer:
     """AdamW (Adam with decoupled weight decay), numerically ``torch.optim.AdamW``.
 
@@ -156,8 +170,8 @@ def adamw(
     ``p *= 1 - lr * weight_decay``, before the moment update instead of being
     added to the gradient.
 
-    ``lr``, ``betas`` and ``eps`` are adam's, and so are the optimizer returned (its state
-    an [AdamState][fsync.optim.AdamState]) and the errors raised.
+    ``lr``, ``betas``, ``eps`` and ``in_place`` are adam's, and so are the optimizer
+    returned (its state an [AdamState][fsync.optim.AdamState]) and the errors raised.
 
     Args:
         weight_decay: Decoupled weight decay coefficient.
@@ -170,4 +184,4 @@ def adamw(
         >>> params["w"]
         tensor([0.9500, 0.9500])
     """
-    return _adam("adamw", lr, betas, eps, weight_decay, decoupled=True)
+    return _adam("adamw", lr, betas, eps, weight_decay, decoupled=True, in_place=in_place)

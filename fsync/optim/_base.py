@@ -5,7 +5,9 @@ An [Optimizer][fsync.optim.Optimizer] is ``init(params) -> state`` and
 NamedTuple of a step counter (a 0-d int64 tensor) and trees shaped like the
 parameters. Nothing is updated in place: the new parameters and state are new
 tensors, so an update traces under ``torch.compile`` and can run on any pytree,
-the flat per-bucket shards of the ZeRO step included.
+the flat per-bucket shards of the ZeRO step included. An optimizer made with
+``in_place=True`` writes them into the given tensors instead, as ``torch.optim``
+does (its ``update`` is then the caller's choice to give up the old values).
 
 Numerics follow ``torch.optim``'s default (single-tensor) CPU implementation
 operation by operation. Coefficients that depend on the step count or on a
@@ -56,6 +58,16 @@ class Optimizer(NamedTuple):
             soon as its gradients are reduced; another optimizer (one that clips
             by the global norm, say) waits for every bucket. fsync's ``sgd``,
             ``adam`` and ``adamw`` are leafwise. Default ``False``: always correct.
+        in_place: ``True`` for an optimizer whose ``update`` writes the new
+            parameters and state into the tensors it is given and returns those
+            (``fsync.optim.sgd(..., in_place=True)``): the old values are gone, the
+            caller's trees hold the new ones. Eagerly these are ``torch.optim``'s own
+            in-place kernels, bit for bit the pure update's results; they spare the
+            second copy of the parameters a pure update holds while it makes the new
+            one, and the memory traffic of writing it (the guide "Performance"
+            measures it). Under ``torch.compile`` the pure results are copied into the
+            given tensors. The ZeRO step and DiLoCo own the state they update and
+            refuse such an optimizer. Default ``False``.
 
     Example:
         >>> import torch, fsync
@@ -70,6 +82,23 @@ class Optimizer(NamedTuple):
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any], tuple[Any, Any]]
     leafwise: bool = False
+    in_place: bool = False
+
+
+def check_in_place(in_place: Any, /) -> bool:
+    """``in_place`` if it is a bool; else raises ``TypeError``."""
+    if not isinstance(in_place, bool):
+        raise TypeError(f"in_place must be True or False; got {in_place!r}.")
+    return in_place
+
+
+def write_into(targets: Sequence[Any], values: Sequence[Any]) -> list[Any]:
+    """Each value copied into its target (a traced in-place update), the targets returned;
+    ``None`` and a value that is its target already stay as they are."""
+    for target, value in zip(targets, values, strict=True):
+        if target is not None and value is not None and value is not target:
+            target.copy_(value)
+    return list(targets)
 
 
 def check_lr(lr: Any, /) -> LearningRate:

@@ -32,6 +32,7 @@ def sgd(
     dampening: float = 0.0,
     weight_decay: float = 0.0,
     nesterov: bool = False,
+    in_place: bool = False,
 ) -> Optimizer:
     """Stochastic gradient descent, numerically ``torch.optim.SGD``.
 
@@ -50,6 +51,10 @@ def sgd(
         weight_decay: L2 penalty added to the gradient.
         nesterov: Use Nesterov momentum (needs ``momentum > 0`` and
             ``dampening == 0``).
+        in_place: ``update`` writes the new parameters into the tensors of the
+            ``params`` it is given and the new state into the state's, as
+            ``torch.optim.SGD`` does, and returns those tensors: no second copy of the
+            parameters, and one memory pass less (see [Optimizer][fsync.optim.Optimizer]).
 
     Returns:
         An [Optimizer][fsync.optim.Optimizer] whose state is an [SGDState][fsync.optim.SGDState].
@@ -57,6 +62,7 @@ def sgd(
     Raises:
         ValueError: A hyper-parameter is out of range, or ``nesterov`` is set
             without momentum or with dampening.
+        TypeError: ``in_place`` is not a bool.
 
     Example:
         >>> import torch, fsync
@@ -71,6 +77,7 @@ def sgd(
     momentum = _base.check_hyper("momentum", momentum)
     dampening = _base.check_hyper("dampening", dampening)
     weight_decay = _base.check_hyper("weight_decay", weight_decay)
+    in_place = _base.check_in_place(in_place)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(
             f"nesterov needs momentum > 0 and dampening == 0; got momentum={momentum}, "
@@ -95,6 +102,7 @@ def sgd(
         # reading it would specialise the graph on it and recompile on the second step).
         eager = not torch.compiler.is_compiling()
         starts = eager and bool(first)
+        writes = in_place and eager  # torch.optim's in-place kernels on the given tensors
         # p - lr * g as torch's add(p, g, alpha=-lr): addcmul takes the factor as a
         # tensor and rounds the product into the sum the same way.
         neg_lr = -_base.lr_value(lr)
@@ -108,20 +116,25 @@ def sgd(
                 g = _base.add_scaled(g, p, weight_decay)
             if momentum:
                 if starts:
-                    buf = g.clone()
+                    buf = buf.copy_(g) if writes else g.clone()
                 else:
-                    later = _base.add_scaled(
-                        torch.mul(buf, momentum), g, 1 - dampening, inplace=True
-                    )
+                    product = buf.mul_(momentum) if writes else torch.mul(buf, momentum)
+                    later = _base.add_scaled(product, g, 1 - dampening, inplace=True)
                     buf = later if eager else torch.where(first.to(g.device), g, later)
                 g = _base.add_scaled(g, buf, momentum) if nesterov else buf
             if isinstance(neg_lr, torch.Tensor):
-                p = torch.addcmul(p, g, neg_lr.to(p.device))
+                factor = neg_lr.to(p.device)
+                p = p.addcmul_(g, factor) if writes else torch.addcmul(p, g, factor)
             else:
-                p = _base.add_scaled(p, g, neg_lr)
+                p = _base.add_scaled(p, g, neg_lr, inplace=writes)
             new_p.append(p)
             new_buf.append(buf)
+        step = state.step.add_(1) if writes else state.step + 1
+        if in_place and not eager:  # traced: the pure results, copied into the given tensors
+            new_p = _base.write_into(p_leaves, new_p)
+            new_buf = _base.write_into(buf_leaves, new_buf)
+            step = state.step.copy_(step)
         buffers = rebuild(new_buf) if momentum else None
-        return rebuild(new_p), SGDState(state.step + 1, buffers)
+        return rebuild(new_p), SGDState(step, buffers)
 
-    return Optimizer(init, update, leafwise=True)
+    return Optimizer(init, update, leafwise=True, in_place=in_place)
