@@ -100,19 +100,24 @@ def rows(rate: str, smoke: bool) -> Rows:
 
 
 def row_settings(load: Load, cap: float) -> list[Setting]:
-    """The five steps, their floors, the flat all-reduce and the ceiling."""
+    """The five steps, their floors, the flat all-reduce and the ceiling.
+
+    The eager fsync steps update with ``fsync.optim.sgd(LR, in_place=True)``: the kernels
+    ``torch.optim.SGD`` runs in the DDP steps, so that a row compares the gradient calls and
+    their sync (a pure update writes a second copy of the parameters: docs/performance.md).
+    """
     module, functional = steps.module, steps.functional
     return [
         setting(DDP_EAGER, module, load=load, ddp=True, cap=cap),
         setting("DDP compiled", module, load=load, ddp=True, compiled=True, cap=cap),
-        setting(GAV, functional, load=load, sync="grad_and_value", cap=cap),
-        setting(FUNC, functional, load=load, sync="sync_grads", cap=cap),
+        setting(GAV, functional, load=load, sync="grad_and_value", cap=cap, in_place=True),
+        setting(FUNC, functional, load=load, sync="sync_grads", cap=cap, in_place=True),
         setting(
             "fsync compiled", functional, load=load, sync="grad_and_value", compiled=True, cap=cap
         ),
         setting("compute, module eager", module, load=load, ddp=False),
         setting("compute, module compiled", module, load=load, ddp=False, compiled=True),
-        setting("compute, functional eager", functional, load=load, sync=None),
+        setting("compute, functional eager", functional, load=load, sync=None, in_place=True),
         setting("compute, functional compiled", functional, load=load, sync=None, compiled=True),
         setting(FLAT, steps.sync_alone, load=load, how=steps.FLAT),
         setting(CEILING, steps.ceiling, load=load),
@@ -123,10 +128,9 @@ def memory_step(load: Load, name: str) -> Callable[[], object]:
     """One eager step of ``name`` on the model's own parameters, the only copy kept.
 
     The module settings train the module with ``torch.optim.SGD``; the fsync ones update
-    the same tensors in place as ``torch.optim.SGD`` does on CPU (``p.add_(g,
-    alpha=-lr)``), so that the settings differ in their gradients and sync alone
-    (``fsync.optim.sgd``, being pure, would hold a second copy of the parameters while it
-    makes the new one).
+    the same tensors with ``fsync.optim.sgd(LR, in_place=True)``, the same kernels, so that
+    the settings differ in their gradients and sync alone (a pure ``fsync.optim.sgd`` would
+    hold a second copy of the parameters while it makes the new one).
     """
     if name in ("compute, module eager", DDP_EAGER):
         return steps.module(load, ddp=name == DDP_EAGER, cap=CAP_MB).step
@@ -134,6 +138,8 @@ def memory_step(load: Load, name: str) -> Callable[[], object]:
     batch = work.batch(dist.get_rank())
     params = {n: p.detach() for n, p in work.model.named_parameters()}
     synced = fsync.grad(work.functional_loss, bucket_cap_mb=CAP_MB)
+    update = fsync.optim.sgd(LR, in_place=True)
+    state = update.init(params)
 
     def step() -> None:
         if name == GAV:
@@ -141,9 +147,7 @@ def memory_step(load: Load, name: str) -> Callable[[], object]:
         else:
             grads = torch.func.grad(work.functional_loss)(params, batch)
             grads = fsync.sync_grads(grads, bucket_cap_mb=CAP_MB)
-        with torch.no_grad():
-            for key, grad in grads.items():
-                params[key].add_(grad, alpha=-LR)
+        update.update(params, grads, state)  # into ``params`` and ``state``
 
     return step
 
@@ -399,7 +403,9 @@ READING = (
     "starts each bucket's all-reduce as backward completes it; *fsync eager, torch.func + "
     "sync_grads* syncs after `torch.func.grad_and_value` returns; *fsync compiled* is "
     "`fsync.compile` of the whole step calling `fsync.grad_and_value`; *DDP compiled* is "
-    "`torch.compile` of the DDP module."
+    "`torch.compile` of the DDP module. DDP's steps update with `torch.optim.SGD`, the eager "
+    "fsync steps (and their floor) with `fsync.optim.sgd(lr, in_place=True)`, the same "
+    "in-place kernels, the compiled ones with the pure `fsync.optim.sgd(lr)`."
 )
 WORKLOADS_NOTE = (
     "The deep MLP: 8 equal `nn.Linear(1024, 1024)` layers with GELU between them, "
@@ -415,8 +421,9 @@ MEMORY_NOTE = (
     "threshold fixed at 64 KiB (`mallopt`) so that freed tensors go back to the system and "
     "RSS follows the tensors alive (with glibc's default, which keeps freed memory to reuse, "
     "the peak varies by a few buckets from one run to the next). Every setting keeps one "
-    "copy of the parameters: the fsync steps update them in place as `torch.optim.SGD` "
-    "does, so the settings differ in their gradients and sync alone. One bucket is 4 MiB."
+    "copy of the parameters: the fsync steps update them with `fsync.optim.sgd(lr, "
+    "in_place=True)`, the kernels of `torch.optim.SGD`, so the settings differ in their "
+    "gradients and sync alone. One bucket is 4 MiB."
 )
 ZERO_NOTE = (
     "AdamW (lr 1e-3): `torch.optim.AdamW` in `ZeroRedundancyOptimizer`, `fsync.optim.adamw` "

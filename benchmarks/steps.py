@@ -47,7 +47,7 @@ class Held:
 
 
 # Each optimizer as torch and as fsync have it, at ``LR`` (AdamW: weight decay 1e-2 in both).
-OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], Callable[[float], Any]]] = {
+OPTIMIZERS: dict[str, tuple[Callable[..., torch.optim.Optimizer], Callable[..., Any]]] = {
     "sgd": (torch.optim.SGD, fsync.optim.sgd),
     "adamw": (torch.optim.AdamW, fsync.optim.adamw),
 }
@@ -95,8 +95,10 @@ def functional(
     overlap: bool = True,
     cap: float | None = None,
     optimizer: str = "sgd",
+    in_place: bool = False,
 ) -> Built:
-    """A ``torch.func`` step with ``fsync.optim``'s SGD or AdamW.
+    """A ``torch.func`` step with ``fsync.optim``'s SGD or AdamW (``in_place``: made with
+    ``in_place=True``, writing into the parameters as ``torch.optim`` does; else pure).
 
     ``sync``: ``None`` (no sync: the floor), ``"sync_grads"`` (after
     ``torch.func.grad_and_value`` returns) or ``"grad_and_value"`` (``fsync.grad_and_value``,
@@ -107,7 +109,7 @@ def functional(
     """
     work = load.build()
     batch = work.batch(dist.get_rank())
-    update = OPTIMIZERS[optimizer][1](LR)
+    update = OPTIMIZERS[optimizer][1](LR, in_place=in_place)
     synced = fsync.grad_and_value(work.functional_loss, **caps(cap))
 
     def train(params: dict[str, torch.Tensor], state: Any) -> Any:
