@@ -451,20 +451,22 @@ def _gpt_steps(work: Any, batches: list[Any], device: Any) -> dict[str, Any]:
     calls["DDP compiled"] = module_step(compiled_ddp, torch.optim.SGD(ddp_c.parameters(), lr=LR))
 
     optimizer = fsync.optim.sgd(LR)
-    # Eagerly the update runs torch.optim.SGD's in-place kernels, as DDP eager's step does,
-    # so that the eager row compares the gradient calls; compiled, the pure one.
-    in_place = fsync.optim.sgd(LR, in_place=True)
     grad_fn = fsync.grad_and_value(work.functional_loss)
 
-    def train_step(params: Any, opt_state: Any, batch: Any) -> Any:
-        grads, loss = grad_fn(params, batch)
-        params, opt_state = optimizer.update(params, grads, opt_state)
-        return params, opt_state, loss
+    def stepping(opt: Any) -> Callable[..., Any]:
+        """The fsync step ``(params, opt_state, batch) -> (params, opt_state, loss)``."""
 
-    def eager_step(params: Any, opt_state: Any, batch: Any) -> Any:
-        grads, loss = grad_fn(params, batch)
-        params, opt_state = in_place.update(params, grads, opt_state)
-        return params, opt_state, loss
+        def step(params: Any, opt_state: Any, batch: Any) -> Any:
+            grads, loss = grad_fn(params, batch)
+            params, opt_state = opt.update(params, grads, opt_state)
+            return params, opt_state, loss
+
+        return step
+
+    train_step = stepping(optimizer)
+    # Eagerly the update runs torch.optim.SGD's in-place kernels, as DDP eager's step does,
+    # so that the eager row compares the gradient calls; compiled, the pure one.
+    eager_step = stepping(fsync.optim.sgd(LR, in_place=True))
 
     def functional(
         fn: Callable[..., Any], init: Callable[[Any], Any] = optimizer.init

@@ -317,11 +317,8 @@ def _gpt(outcome: Outcome | None) -> Section:
         (clean, f"{breaks} graph breaks, {recompiles} recompiles", breaks == 0 and not recompiles),
         (fast, table.spread(ratio), ratio.median <= 1.0),
     ]
-    if EAGER in row["rounds"] and "DDP eager" in row["rounds"]:
-        against = table.ratio(row, EAGER, "DDP eager")
-        targets.append((eager, table.spread(against), against.median <= 1.05))
-    else:  # a page of a run before the row existed
-        targets.append((eager, "-", None))
+    # ``ran``: a run from before the row existed has no such setting ("not run").
+    targets.append(table.check(eager, table.ran(row, EAGER, "DDP eager"), 1.05))
     return Section(lines, targets)
 
 

@@ -175,18 +175,22 @@ def check_rank(name: str, value: Any, world_size: int) -> None:
         )
 
 
-def check_optimizer(
-    optimizer: Any, name: str = "optimizer", *, owner: str = "the ZeRO step"
-) -> None:
-    """Raises ``TypeError`` unless ``optimizer`` looks like a pure ``fsync.optim.Optimizer``:
-    ``owner`` keeps the state it updates, so an in-place one is refused too."""
+def check_optimizer(optimizer: Any) -> None:
+    """Raises ``TypeError`` unless ``optimizer`` looks like a pure ``fsync.optim.Optimizer``
+    (the ZeRO step keeps the state it updates, so an in-place one is refused too)."""
     if not (
         callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
     ):
         raise TypeError(
-            f"{name} is a {type(optimizer).__name__}; expected an fsync.optim.Optimizer "
+            f"optimizer is a {type(optimizer).__name__}; expected an fsync.optim.Optimizer "
             "(init, update), such as fsync.optim.adamw(1e-3)."
         )
+    refuse_in_place(optimizer, "optimizer", "the ZeRO step")
+
+
+def refuse_in_place(optimizer: Any, name: str, owner: str) -> None:
+    """Raises ``TypeError`` where ``optimizer`` updates in place: ``owner`` keeps the state
+    it updates and takes pure updates only."""
     if getattr(optimizer, "in_place", False):
         raise TypeError(
             f"{name} updates in place (in_place=True); {owner} owns the state it updates and "

@@ -157,7 +157,7 @@ def diloco(
             f"outer is a {type(outer).__name__}; expected an fsync.optim.Optimizer such as "
             "fsync.optim.sgd(0.7, momentum=0.9, nesterov=True) (DiLoCo's, the default)."
         )
-    _checks.check_optimizer(outer, "outer", owner="diloco")
+    _checks.refuse_in_place(outer, "outer", "diloco")
     sync = GradSync(group=group, **options)
     if sync.options.find_unused:
         raise ValueError(
