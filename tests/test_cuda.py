@@ -114,6 +114,42 @@ def test_pack_and_unpack_keep_a_gpu_tree_eagerly_and_compiled():
             assert got.stride() == leaf.stride() and torch.equal(got, leaf), name
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("in_place", [False, True], ids=["pure", "in_place"])
+def test_fused_optimizers_equal_torch_optim_fused_on_the_gpu(in_place):
+    """``fused=True`` on CUDA tensors: torch's CUDA kernels, which read the step count as a
+    float32 tensor on the device (fsync keeps an int64 one on the CPU), so the bits of
+    ``torch.optim`` with ``fused=True`` after a few steps, bf16 and a channels_last weight
+    included."""
+    device = torch.device("cuda", 0)
+    g = torch.Generator().manual_seed(0)
+    start = {
+        "conv": torch.randn(8, 3, 3, 3, generator=g).to(device, memory_format=torch.channels_last),
+        "w": torch.randn(33, 17, generator=g).to(device),
+        "bf16": torch.randn(65, generator=g).to(device, torch.bfloat16),
+    }
+    cases = [
+        (fsync.optim.adamw, torch.optim.AdamW, {"weight_decay": 0.1}),
+        (fsync.optim.adam, torch.optim.Adam, {"weight_decay": 0.1}),
+        (fsync.optim.sgd, torch.optim.SGD, {"momentum": 0.9, "weight_decay": 0.01}),
+    ]
+    for make, cls, kwargs in cases:
+        ref = {k: v.clone().requires_grad_() for k, v in start.items()}
+        torch_opt = cls(list(ref.values()), lr=1e-2, fused=True, **kwargs)
+        opt = make(1e-2, fused=True, in_place=in_place, **kwargs)
+        params = {k: v.clone() for k, v in start.items()}
+        state = opt.init(params)
+        for _ in range(STEPS):
+            grads = {k: torch.randn_like(v) for k, v in start.items()}  # v's layout
+            params, state = opt.update(params, grads, state)
+            for k, p in ref.items():
+                p.grad = grads[k]
+            torch_opt.step()
+        for k, p in ref.items():
+            assert params[k].device == device and params[k].stride() == p.stride(), k
+            assert torch.equal(params[k], p.detach()), (make.__name__, k)
+
+
 @pytest.mark.timeout(RUN_TIMEOUT + 30)
 def test_train_example_runs_compiled_on_the_gpu_over_nccl():
     """``examples/train.py --device cuda``: NCCL with one rank, the step under fsync.compile."""

@@ -62,9 +62,9 @@ def _layout(p):
     return torch.channels_last if cl else torch.contiguous_format
 
 
-def _run_torch(cls, kwargs, params):
+def _run_torch(cls, kwargs, params, fused=False):
     leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
-    opt = cls(list(leaves.values()), lr=LR, **kwargs)
+    opt = cls(list(leaves.values()), lr=LR, fused=fused or None, **kwargs)
     for s in range(STEPS):
         for k, grad in _grads(params, s).items():
             leaves[k].grad = grad
@@ -129,19 +129,83 @@ def test_in_place_matches_torch_optim_in_the_given_tensors(case, dtype):
         assert torch.equal(params[k], ref[k]), (k, (params[k] - ref[k]).abs().max())
 
 
-@pytest.mark.parametrize("make", [fsync.optim.sgd, fsync.optim.adamw])
-def test_compiled_in_place_update_writes_the_given_tensors(make):
+@pytest.mark.parametrize("in_place", [False, True], ids=["pure", "in_place"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_matches_torch_optim_fused(case, dtype, in_place):
+    """``fused=True``: torch's fused kernel, so the bits of torch.optim with ``fused=True``
+    (not its default's: the kernel rounds once where the default rounds per operation),
+    written into the given tensors with ``in_place``, else into new ones, the given
+    parameters, gradients and state untouched; a tensor lr reads as its float."""
+    make, cls, kwargs = CASES[case]
+    ref = _run_torch(cls, kwargs, _params(dtype), fused=True)
+    for lr in (LR, torch.tensor(LR, dtype=torch.float64)):
+        params = {k: v.clone() for k, v in _params(dtype).items()}
+        opt = make(lr, in_place=in_place, fused=True, **kwargs)
+        state = opt.init(params)
+        for s in range(STEPS):
+            grads = _grads(params, s)
+            given = [t.clone() for t in optree.tree_leaves((params, grads, state))]
+            out, new_state = opt.update(params, grads, state)
+            assert all((out[k] is params[k]) == in_place for k in params)
+            if not in_place:
+                now = optree.tree_leaves((params, grads, state))
+                assert all(torch.equal(a, b) for a, b in zip(given, now, strict=True))
+            params, state = out, new_state
+        assert int(state.step) == STEPS
+        for k in ref:
+            assert params[k].stride() == ref[k].stride(), k
+            assert torch.equal(params[k], ref[k]), (k, lr, (params[k] - ref[k]).abs().max())
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["pure", "in_place"])
+@pytest.mark.parametrize("case", ["sgd_momentum", "adamw"])
+def test_fused_pairs_elements_whatever_the_layouts(case, in_place):
+    """torch's fused kernels read every tensor in storage order (a channels_last parameter
+    with a contiguous gradient gets wrong numbers from them): fsync runs such a parameter on
+    contiguous copies, so its results are the contiguous update's, bit for bit, in the given
+    layout. Cases: channels_last with a contiguous gradient, a transposed weight, and a
+    parameter whose gradient and state match its layout (the kernel reads it directly)."""
+    make, _, kwargs = CASES[case]
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "conv": torch.randn(4, 3, 3, 3, generator=g).to(memory_format=torch.channels_last),
+        "t": torch.randn(7, 5, generator=g).t(),
+        "plain": torch.randn(11, generator=g),
+    }
+    contiguous = {k: v.contiguous() for k, v in params.items()}
+    opt = make(LR, fused=True, in_place=in_place, **kwargs)
+    reference = make(LR, fused=True, **kwargs)
+    mine, expected = {k: v.clone() for k, v in params.items()}, contiguous
+    state, ref_state = opt.init(mine), reference.init(contiguous)
+    for _ in range(3):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        out, state = opt.update(mine, grads, state)
+        assert all((out[k] is mine[k]) == in_place for k in mine)
+        mine = out
+        expected, ref_state = reference.update(expected, grads, ref_state)
+    for k in params:
+        assert mine[k].stride() == params[k].stride(), k
+        assert torch.equal(mine[k], expected[k]), (k, (mine[k] - expected[k]).abs().max())
+
+
+@pytest.mark.parametrize(
+    ("make", "fused"),
+    [(fsync.optim.sgd, False), (fsync.optim.adamw, False), (fsync.optim.adamw, True)],
+)
+def test_compiled_in_place_update_writes_the_given_tensors(make, fused):
     """Traced, an in-place update is the pure one copied into the given tensors: the same
-    tensors come back, holding what the eager update computes."""
+    tensors come back, holding what the eager update computes. A fused one traces (in one
+    graph) as the unfused update, against the eager fused kernel's results."""
     steps = 3
-    kwargs = {"momentum": 0.9} if make is fsync.optim.sgd else {}
+    kwargs = {"momentum": 0.9} if make is fsync.optim.sgd else {"fused": fused}
     params = {"w": torch.randn(50, 30), "b": torch.randn(300).to(torch.bfloat16)}
     torch._dynamo.reset()
     opt = make(0.1, in_place=True, **kwargs)
     compiled = torch.compile(opt.update, fullgraph=True)
     mine = {k: v.clone() for k, v in params.items()}
     state = opt.init(mine)
-    pure = make(0.1, **kwargs)
+    pure = make(0.1, **kwargs)  # eager
     expected, pure_state = params, pure.init(params)
     for _ in range(steps):
         grads = {k: torch.randn(v.shape).to(v.dtype) for k, v in params.items()}
@@ -151,8 +215,9 @@ def test_compiled_in_place_update_writes_the_given_tensors(make):
         expected, pure_state = pure.update(expected, grads, pure_state)
     assert int(state.step) == steps
     for k in params:
-        # As in the test above: the fused kernel keeps float32 intermediates where eager
-        # rounds after each operation, one rounding of the parameter per step in both, so
+        # As in the test above: inductor's kernel keeps float32 intermediates where the eager
+        # update rounds after each operation (torch's fused kernel rounds once too, its
+        # operations in its own order), one rounding of the parameter per step in both, so
         # at most about one ulp of the parameters' scale per step.
         ulp = torch.finfo(params[k].dtype).eps * expected[k].abs().max().float()
         assert (mine[k].float() - expected[k].float()).abs().max() <= steps * ulp, k
@@ -168,6 +233,8 @@ def test_zero_and_diloco_refuse_an_in_place_optimizer():
         fsync.diloco(2, outer=in_place)
     with pytest.raises(TypeError, match=r"in_place must be True or False; got 1"):
         fsync.optim.sgd(0.1, in_place=1)
+    with pytest.raises(TypeError, match=r"fused must be True or False; got 'yes'"):
+        fsync.optim.adamw(0.1, fused="yes")
 
 
 def test_float32_lr_tensor_is_read_as_its_value():
@@ -178,10 +245,11 @@ def test_float32_lr_tensor_is_read_as_its_value():
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("make", [fsync.optim.sgd, fsync.optim.adam])
-def test_none_gradient_leaves_parameter_and_state(make):
+def test_none_gradient_leaves_parameter_and_state(make, fused):
     kwargs = {"momentum": 0.9} if make is fsync.optim.sgd else {}
-    opt = make(0.1, **kwargs)
+    opt = make(0.1, fused=fused, **kwargs)
     params = {"a": torch.ones(3), "b": torch.ones(2), "c": None}
     state = opt.init(params)
     new, state2 = opt.update(params, {"a": torch.ones(3), "b": None, "c": None}, state)

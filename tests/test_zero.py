@@ -113,13 +113,15 @@ def _assert_elementwise(ours, expected, name, steps, what):
     element's bits depend on where it falls in its tensor (float32/64 and Adam's kernels do
     not), and a flat shard or bucket and the parameter cut from it may disagree by an ulp of
     the parameter's scale per such add and step: two per step (the parameter and the
-    momentum buffer)."""
+    momentum buffer). The same holds for every dtype under a fused optimizer (``fused=True``):
+    torch's fused kernels round differently in their scalar tail too (an ulp at a few
+    elements of 100k, measured), two per step as bound."""
     a, b = _tree.flatten(ours)[0], _tree.flatten(expected)[0]
     assert len(a) == len(b), what
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
         if not isinstance(x, torch.Tensor):
             assert x == y, (what, i)
-        elif x.dtype == torch.bfloat16 and name == "sgd":
+        elif (x.dtype == torch.bfloat16 and name == "sgd") or name.endswith("fused"):
             ulp = torch.finfo(torch.bfloat16).eps * y.abs().max().float()
             assert (x.float() - y.float()).abs().max() <= 2 * steps * ulp, (what, i)
         else:
@@ -331,6 +333,7 @@ def _on_rank_mixed_dtypes(shard_buckets):
         ("sgd", fsync.optim.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
         ("adam", fsync.optim.adam(0.1, weight_decay=0.01)),
         ("adamw", fsync.optim.adamw(0.1, weight_decay=0.1)),
+        ("adamw fused", fsync.optim.adamw(0.1, weight_decay=0.1, fused=True)),
     ):
         step = fsync.ops.zero(
             opt, hook=fsync.ops.allreduce("sum"), shard_buckets=shard_buckets, **SMALL

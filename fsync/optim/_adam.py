@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -34,9 +35,12 @@ def _adam(
     weight_decay: float,
     decoupled: bool,
     in_place: bool,
+    fused: bool,
 ) -> Optimizer:
     lr = _base.check_lr(lr)
-    in_place = _base.check_in_place(in_place)
+    in_place = _base.check_flag("in_place", in_place)
+    fused = _base.check_flag("fused", fused)
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     if not isinstance(betas, tuple | list) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2); got {betas!r}.")
     beta1 = _base.check_hyper("betas[0]", betas[0], high=1.0, high_open=True)
@@ -52,6 +56,27 @@ def _adam(
             exp_avg_sq=_base.zeros_like_tree(leaves, treespec),
         )
 
+    def launch_fused(
+        step: torch.Tensor, device: torch.device, columns: list[list[torch.Tensor]]
+    ) -> None:
+        ps, gs, ms, vs = columns
+        steps = _base.fused_steps(step, device, len(ps))
+        kernel(
+            ps,
+            gs,
+            ms,
+            vs,
+            [],
+            steps,
+            lr=float(_base.lr_value(lr)),
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+        )
+
     def update(params: Any, grads: Any, state: AdamState) -> tuple[Any, AdamState]:
         _base.check_state(state, AdamState, name)
         p_leaves, g_leaves, (m_leaves, v_leaves), rebuild = _base.flatten_update(
@@ -60,6 +85,12 @@ def _adam(
         eager = not torch.compiler.is_compiling()
         writes = in_place and eager  # torch.optim's in-place kernels on the given tensors
         step = state.step.add_(1) if writes else state.step + 1
+        if fused and eager:  # torch's fused kernel, one pass over each parameter
+            rows = list(zip(p_leaves, g_leaves, m_leaves, v_leaves, strict=True))
+            new_p, new_m, new_v = _base.fused_update(
+                rows, writes=writes, launch=functools.partial(launch_fused, step)
+            )
+            return rebuild(new_p), AdamState(step, rebuild(new_m), rebuild(new_v))
         # The scalars torch.optim computes in Python doubles from step.item(), as
         # float64 tensors: same values, and no recompile as the step count grows.
         t = step.to(torch.float64)
@@ -116,6 +147,7 @@ def adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     in_place: bool = False,
+    fused: bool = False,
 ) -> Optimizer:
     """Adam, numerically ``torch.optim.Adam``.
 
@@ -137,13 +169,19 @@ def adam(
             ``params`` it is given and the new state into the state's, as
             ``torch.optim.Adam`` does, and returns those tensors: no second copy of
             the parameters, and a memory pass less (see [Optimizer][fsync.optim.Optimizer]).
+        fused: Eagerly, one pass of torch's fused kernel (``torch._fused_adam_``) over
+            each parameter instead of an operation at a time: the numerics of
+            ``torch.optim.Adam(..., fused=True)``, which differ from the default's by a
+            rounding here and there. A pure update runs it on copies of the parameters
+            and moments. Under ``torch.compile``, which cannot trace that
+            kernel in torch 2.13, the update is the unfused one, compiled.
 
     Returns:
         An [Optimizer][fsync.optim.Optimizer] whose state is an [AdamState][fsync.optim.AdamState].
 
     Raises:
         ValueError: A hyper-parameter is out of range.
-        TypeError: ``in_place`` is not a bool.
+        TypeError: ``in_place`` or ``fused`` is not a bool.
 
     Example:
         >>> import torch, fsync
@@ -153,7 +191,9 @@ def adam(
         >>> params["w"]
         tensor([-0.1000,  0.1000])
     """
-    return _adam("adam", lr, betas, eps, weight_decay, decoupled=False, in_place=in_place)
+    return _adam(
+        "adam", lr, betas, eps, weight_decay, decoupled=False, in_place=in_place, fused=fused
+    )
 
 
 def adamw(
@@ -163,6 +203,7 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     in_place: bool = False,
+    fused: bool = False,
 ) -> Optimizer:
     """AdamW (Adam with decoupled weight decay), numerically ``torch.optim.AdamW``.
 
@@ -170,8 +211,10 @@ def adamw(
     ``p *= 1 - lr * weight_decay``, before the moment update instead of being
     added to the gradient.
 
-    ``lr``, ``betas``, ``eps`` and ``in_place`` are adam's, and so are the optimizer
-    returned (its state an [AdamState][fsync.optim.AdamState]) and the errors raised.
+    ``lr``, ``betas``, ``eps``, ``in_place`` and ``fused`` are adam's (``fused`` runs
+    ``torch._fused_adamw_``, the numerics of ``torch.optim.AdamW(..., fused=True)``), and
+    so are the optimizer returned (its state an [AdamState][fsync.optim.AdamState]) and the
+    errors raised.
 
     Args:
         weight_decay: Decoupled weight decay coefficient.
@@ -184,4 +227,6 @@ def adamw(
         >>> params["w"]
         tensor([0.9500, 0.9500])
     """
-    return _adam("adamw", lr, betas, eps, weight_decay, decoupled=True, in_place=in_place)
+    return _adam(
+        "adamw", lr, betas, eps, weight_decay, decoupled=True, in_place=in_place, fused=fused
+    )

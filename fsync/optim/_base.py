@@ -18,6 +18,9 @@ turning the step count into a Python number, which would recompile every step.
 Eagerly, where nothing recompiles, Adam reads its step size as that number and
 runs torch's own in-place kernels on the tensors its update made, and SGD reads
 whether its update is the first (to start the momentum without ``torch.where``).
+An optimizer made with ``fused=True`` runs, eagerly, torch's fused kernel instead
+(``torch._fused_sgd_``, ``torch._fused_adam_``, ``torch._fused_adamw_``: one pass
+over each parameter), whose numerics are ``torch.optim``'s with ``fused=True``.
 """
 
 from __future__ import annotations
@@ -85,11 +88,85 @@ class Optimizer(NamedTuple):
     in_place: bool = False
 
 
-def check_in_place(in_place: Any, /) -> bool:
-    """``in_place`` if it is a bool; else raises ``TypeError``."""
-    if not isinstance(in_place, bool):
-        raise TypeError(f"in_place must be True or False; got {in_place!r}.")
-    return in_place
+def check_flag(name: str, value: Any, /) -> bool:
+    """``value`` if it is a bool; else raises ``TypeError`` naming the argument."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False; got {value!r}.")
+    return value
+
+
+def fused_update(
+    rows: Sequence[Sequence[Any]],
+    *,
+    writes: bool,
+    launch: Callable[[torch.device, list[list[torch.Tensor]]], None],
+) -> list[list[Any]]:
+    """One step of torch's fused optimizer kernel over ``rows``.
+
+    ``rows`` holds one sequence per parameter: the parameter, its gradient, then its state
+    entries. A row with a ``None`` parameter or gradient is not updated. ``writes``: the
+    kernel updates the given parameter and state tensors; else copies of them (a pure
+    update). ``launch(device, columns)`` calls the kernel once for the parameters of one
+    device and dtype, ``columns`` being their parameters, gradients and state entries.
+
+    The kernels read each tensor as one run of memory in storage order, whatever its
+    strides (torch 2.13: a channels_last parameter with a contiguous gradient gets wrong
+    numbers, silently); a row whose tensors are not laid out alike runs on contiguous
+    copies, written back afterwards in the given tensors' layouts.
+
+    Returns the columns after the step, the gradients left out: the parameters, then each
+    state entry, in the rows' order.
+    """
+    width = len(rows[0]) if rows else 2
+    out: list[list[Any]] = [[] for _ in range(width - 1)]
+    groups: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+    staged: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]] = []
+    for i, (p, g, *state) in enumerate(rows):
+        given = [p, *state]
+        if p is None or g is None:
+            updated = given
+        elif _one_run_alike(p, [g, *state]):
+            updated = given if writes else [t.clone() for t in given]
+            _append(groups.setdefault((p.device, p.dtype), [[] for _ in rows[0]]), updated, g)
+        else:
+            copies = [t.clone(memory_format=torch.contiguous_format) for t in given]
+            staged.append((i, given, copies))
+            updated = copies  # replaced below
+            columns = groups.setdefault((p.device, p.dtype), [[] for _ in rows[0]])
+            _append(columns, copies, g.contiguous())
+        for column, value in zip(out, updated, strict=True):
+            column.append(value)
+    for (device, _), columns in groups.items():
+        launch(device, columns)
+    for i, given, copies in staged:
+        for column, target, value in zip(out, given, copies, strict=True):
+            column[i] = (target if writes else torch.empty_like(target)).copy_(value)
+    return out
+
+
+def _append(columns: list[list[torch.Tensor]], updated: list[torch.Tensor], grad: Any) -> None:
+    """A row's tensors added to a kernel call's columns: parameter, gradient, state."""
+    for column, value in zip(columns, (updated[0], grad, *updated[1:]), strict=True):
+        column.append(value)
+
+
+def _one_run_alike(p: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
+    """Whether ``p`` is one dense run of memory (contiguous, channels_last) and ``others``
+    lay their elements out as it does, so a kernel reading storage in order pairs them."""
+    if p.is_contiguous():
+        return all(t.is_contiguous() for t in others)
+    dense = p.is_contiguous(memory_format=torch.channels_last) or p.is_contiguous(
+        memory_format=torch.channels_last_3d
+    )
+    return dense and all(t.stride() == p.stride() for t in others)
+
+
+def fused_steps(step: torch.Tensor, device: torch.device, count: int) -> list[torch.Tensor]:
+    """The step count as torch's fused kernels read it: one float32 tensor per parameter on
+    the parameters' device (the CUDA kernels read it as float32; exact below 2**24 updates,
+    as torch.optim's own fused state)."""
+    on_device = step.to(device=device, dtype=torch.float32)
+    return [on_device] * count
 
 
 def write_into(targets: Sequence[Any], values: Sequence[Any]) -> list[Any]:

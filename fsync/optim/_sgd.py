@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -33,6 +34,7 @@ def sgd(
     weight_decay: float = 0.0,
     nesterov: bool = False,
     in_place: bool = False,
+    fused: bool = False,
 ) -> Optimizer:
     """Stochastic gradient descent, numerically ``torch.optim.SGD``.
 
@@ -55,6 +57,11 @@ def sgd(
             ``params`` it is given and the new state into the state's, as
             ``torch.optim.SGD`` does, and returns those tensors: no second copy of the
             parameters, and one memory pass less (see [Optimizer][fsync.optim.Optimizer]).
+        fused: Eagerly, one pass of torch's fused kernel (``torch._fused_sgd_``) over each
+            parameter instead of an operation at a time: the numerics of
+            ``torch.optim.SGD(..., fused=True)``. A pure update runs it on copies of the
+            parameters and momentum buffers. Under ``torch.compile``, which cannot trace
+            that kernel in torch 2.13, the update is the unfused one, compiled.
 
     Returns:
         An [Optimizer][fsync.optim.Optimizer] whose state is an [SGDState][fsync.optim.SGDState].
@@ -62,7 +69,7 @@ def sgd(
     Raises:
         ValueError: A hyper-parameter is out of range, or ``nesterov`` is set
             without momentum or with dampening.
-        TypeError: ``in_place`` is not a bool.
+        TypeError: ``in_place`` or ``fused`` is not a bool.
 
     Example:
         >>> import torch, fsync
@@ -77,7 +84,8 @@ def sgd(
     momentum = _base.check_hyper("momentum", momentum)
     dampening = _base.check_hyper("dampening", dampening)
     weight_decay = _base.check_hyper("weight_decay", weight_decay)
-    in_place = _base.check_in_place(in_place)
+    in_place = _base.check_flag("in_place", in_place)
+    fused = _base.check_flag("fused", fused)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(
             f"nesterov needs momentum > 0 and dampening == 0; got momentum={momentum}, "
@@ -88,6 +96,21 @@ def sgd(
         leaves, treespec = _base.flatten_params(params)
         buffers = _base.zeros_like_tree(leaves, treespec) if momentum else None
         return SGDState(step=_base.new_step(), momentum=buffers)
+
+    def launch_fused(starts: bool, device: torch.device, columns: list[list[Any]]) -> None:
+        ps, gs, *bufs = columns
+        torch._fused_sgd_(
+            ps,
+            gs,
+            bufs[0] if momentum else [],
+            weight_decay=weight_decay,
+            momentum=momentum,
+            lr=float(_base.lr_value(lr)),
+            dampening=dampening,
+            nesterov=nesterov,
+            maximize=False,
+            is_first_step=starts,
+        )
 
     def update(params: Any, grads: Any, state: SGDState) -> tuple[Any, SGDState]:
         _base.check_state(state, SGDState, "sgd")
@@ -103,6 +126,13 @@ def sgd(
         eager = not torch.compiler.is_compiling()
         starts = eager and bool(first)
         writes = in_place and eager  # torch.optim's in-place kernels on the given tensors
+        if fused and eager:  # torch's fused kernel, one pass over each parameter
+            rows = zip(p_leaves, g_leaves, buf_leaves, strict=True)
+            columns = [(p, g, buf) if momentum else (p, g) for p, g, buf in rows]
+            launch = functools.partial(launch_fused, bool(first))
+            new_p, *new_buf = _base.fused_update(columns, writes=writes, launch=launch)
+            step = state.step.add_(1) if writes else state.step + 1
+            return rebuild(new_p), SGDState(step, rebuild(new_buf[0]) if momentum else None)
         # p - lr * g as torch's add(p, g, alpha=-lr): addcmul takes the factor as a
         # tensor and rounds the product into the sum the same way.
         neg_lr = -_base.lr_value(lr)
