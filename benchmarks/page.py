@@ -193,8 +193,10 @@ def report(page: Page, args: argparse.Namespace) -> None:
         saved = json.loads(args.from_json.read_text())
         results, environment = saved["rates"], saved["environment"]
     else:
+        start = table.cpu_jiffies()
         results = measure(page, args)
-        environment = table.environment(**page.environment(args, results))
+        steal = table.stolen_since(start)
+        environment = table.environment(**page.environment(args, results), steal=steal)
     if not results:
         print(f"{page.file}: nothing ran, so nothing is written", flush=True)
         return

@@ -59,7 +59,9 @@ READING = (
     "*fsync eager* syncs with `sync_grads` after `torch.func.grad_and_value` returns; *fsync "
     "eager, grad_and_value* is `fsync.grad_and_value`, whose all-reduces start during "
     "backward as each bucket completes, as DDP's do; the compiled fsync steps are "
-    "`fsync.compile` of the first. "
+    "`fsync.compile` of the first. The module steps update with `torch.optim.SGD`, the eager "
+    "functional ones with `fsync.optim.sgd(lr, in_place=True)` (the same in-place kernels), "
+    "the compiled ones with the pure `fsync.optim.sgd(lr)`, which inductor fuses. "
     "Sync only has two floors: the flat all-reduce sums one preallocated tensor in place, "
     "which a sync may not do (it must leave the caller's gradients alone and return their "
     "mean); the pure mean adds the one scaled copy into fresh memory that any such sync "
@@ -105,10 +107,14 @@ def step_settings(load: Load) -> list[Setting]:
         setting("local eager (no sync)", module, load=load, ddp=False),
         setting(DDP_EAGER, module, load=load, ddp=True),
         setting("DDP compiled", module, load=load, ddp=True, compiled=True),
-        setting("local functional eager (no sync)", functional, load=load, sync=None),
+        # The eager functional steps update in place, with torch.optim.SGD's kernels, as
+        # the module steps do; the compiled ones purely, fused by inductor.
+        setting(
+            "local functional eager (no sync)", functional, load=load, sync=None, in_place=True
+        ),
         setting("local compiled (no sync)", functional, load=load, sync=None, compiled=True),
-        setting("fsync eager", functional, load=load, sync="sync_grads"),
-        setting(GRAD_AND_VALUE, functional, load=load, sync="grad_and_value"),
+        setting("fsync eager", functional, load=load, sync="sync_grads", in_place=True),
+        setting(GRAD_AND_VALUE, functional, load=load, sync="grad_and_value", in_place=True),
         setting(
             "fsync compiled", functional, load=load, sync="sync_grads", compiled=True, overlap=False
         ),

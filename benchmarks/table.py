@@ -150,6 +150,28 @@ def environment(**more: str) -> dict[str, str]:
     }
 
 
+def cpu_jiffies() -> tuple[int, int]:
+    """This machine's CPU time so far, ``(stolen, all)``, in jiffies: ``/proc/stat``'s
+    first line (user, nice, system, idle, iowait, irq, softirq, steal); ``(0, 0)`` where
+    there is no such file."""
+    try:
+        fields = pathlib.Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    except OSError:
+        return 0, 0
+    values = [int(field) for field in fields]
+    return (values[7] if len(values) > 7 else 0), sum(values)
+
+
+def stolen_since(start: tuple[int, int]) -> str:
+    """The share of this machine's CPU time the hypervisor took since ``start`` (a
+    :func:`cpu_jiffies`), for a page's table of what it ran on: a noisy run says so."""
+    now = cpu_jiffies()
+    stolen, total = now[0] - start[0], now[1] - start[1]
+    if total <= 0:
+        return "unknown (no /proc/stat)"
+    return f"{100 * stolen / total:.1f} % of the CPU time while it ran (/proc/stat)"
+
+
 def met(ok: bool | None) -> str:
     return {True: "yes", False: "**no**", None: "-"}[ok]
 
