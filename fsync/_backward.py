@@ -58,7 +58,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from fsync import _checks, _comm, _pack
+from fsync import _buffers, _checks, _comm, _pack
 from fsync._agree import Agreed, Agreement, begin, refuse
 from fsync._apply import alone, context, finish_bucket, start_bucket
 from fsync._comm import _failures, _reports
@@ -155,6 +155,7 @@ class Buckets:
 
     def __init__(self, plan: BucketPlan) -> None:
         self._plan = plan
+        self._kept = _buffers.kept(plan)
         self.buffers: list[torch.Tensor | None] = [None] * len(plan.specs)
         # id of a bucket's node -> the bucket; the node lives as long as its views, which
         # the caller holds until backward is over (holding the node here would make a
@@ -213,7 +214,8 @@ class Buckets:
 
     def _fill(self, k: int, grads: tuple[torch.Tensor | None, ...]) -> None:
         """Bucket ``k``'s gradients, all there is of them (on autograd's thread)."""
-        buffer = _pack.pack_grads(grads, self._plan.specs[k])
+        spec = self._plan.specs[k]
+        buffer = _pack.pack_grads(grads, spec, into=self._kept.buffer(k, spec))
         with self._changed:
             self.buffers[k] = buffer
             self._changed.notify_all()

@@ -51,7 +51,9 @@ def grad_and_value(
     the ranks' agreement; communication then hides behind the rest of backward,
     as with DDP, and the result equals DDP's synced ``.grad`` bit for bit. With
     one rank and the default mean it is autograd's call alone. Nothing is kept
-    between calls but the plan cache. Under ``torch.compile`` it is
+    between calls but the plan cache and, on the CPU, the memory of the plan's
+    buckets, packed into again only once the caller holds nothing of the
+    results it backed (see the guide "Concepts"). Under ``torch.compile`` it is
     ``torch.func.grad_and_value`` then [fsync.sync_grads][], which the compiler
     schedules (see the guide "Compiling").
 

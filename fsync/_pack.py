@@ -6,7 +6,7 @@ back, and a loud check both ways. Under ``torch.compile`` a bucket is one
 the unpacked leaves are views of the buffer.
 
 Owns: moving leaves into flat buffers and back, and cutting buffers into shards.
-May import: ``_tree``, ``_plan``, ``_checks``, ``_planner`` (layers 1 to 4).
+May import: ``_tree``, ``_plan``, ``_checks``, ``_planner``, ``_buffers`` (layers 1 to 4).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import torch
 
-from fsync import _tree
+from fsync import _buffers, _tree
 from fsync._checks import check_buffers
 from fsync._plan import PLAN_CACHE_SIZE, BucketPlan, BucketSpec, LeafLayout, LeafSpec
 from fsync._planner import fit_tree
@@ -51,15 +51,16 @@ def pack_leaves(
     every bucket then depends on the agreement, so no bucket collective can be
     scheduled before it and the agreement is never dropped as unused.
     """
-    return [_pack_bucket(leaves, plan, spec, after) for spec in plan.specs]
+    return [_pack_bucket(leaves, plan, k, after) for k in range(len(plan.specs))]
 
 
 def _pack_bucket(
     leaves: Sequence[torch.Tensor | None],
     plan: BucketPlan,
-    spec: BucketSpec,
+    k: int,
     after: torch.Tensor | None,
 ) -> torch.Tensor:
+    spec = plan.specs[k]
     if spec.sparse:
         (i,) = spec.leaves
         leaf, leaf_spec_ = leaves[i], plan.leaves[i]
@@ -68,7 +69,8 @@ def _pack_bucket(
             return empty_sparse(leaf_spec_.shape, leaf_spec_.sparse_dim, spec.dtype, spec.device)
         return leaf.coalesce()
     if not torch.compiler.is_compiling():
-        return pack_grads([leaves[i] for i in spec.leaves], spec)
+        into = _buffers.kept(plan).buffer(k, spec)
+        return pack_grads([leaves[i] for i in spec.leaves], spec, into=into)
     parts: list[torch.Tensor] = []
     for i, layout in zip(spec.leaves, spec.layouts, strict=True):
         leaf = leaves[i]
@@ -83,19 +85,32 @@ def _pack_bucket(
     return buffer
 
 
-def pack_grads(grads: Sequence[torch.Tensor | None], spec: BucketSpec) -> torch.Tensor:
-    """A dense bucket's new buffer from its leaves' tensors (in buffer order), eagerly.
+def pack_grads(
+    grads: Sequence[torch.Tensor | None], spec: BucketSpec, *, into: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A dense bucket's buffer from its leaves' tensors (in buffer order), eagerly: ``into``
+    (1-D, the bucket's numel and dtype) or a new one.
 
-    One batched copy (``flatten_dense_tensors``, C++), each leaf in its memory order,
-    then one cast where the bucket's dtype is another: a call per bucket, not per
-    leaf. A ``None`` leaf is zeros, a sparse one is made dense. The tensors are only
-    read, and the buffer shares memory with none of them.
+    One batched copy, each leaf in its memory order, cast where the bucket's dtype is
+    another: a call per bucket, not per leaf. A ``None`` leaf is zeros, a sparse one is
+    made dense. The tensors are only read, and the buffer shares memory with none of them.
     """
     parts = cast(Sequence[torch.Tensor], grads)
     strided = torch.strided
     if _permuted(spec) or any(g is None or g.layout is not strided for g in grads):
         parts = [_dense(g, spec, j) for j, g in enumerate(grads)]
+    if into is not None:
+        return _copy_into(into, parts)
     return pack_parts(parts, spec.dtype, 1.0)
+
+
+def _copy_into(into: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``into`` holding the dense ``parts`` one after another, each in its memory order and
+    cast to ``into``'s dtype: the bits of ``pack_parts`` (a copy casts as ``to`` does)."""
+    if len(parts) == 1:
+        return into.copy_(parts[0].reshape(-1))
+    torch._foreach_copy_(torch._C._nn.unflatten_dense_tensors(into, list(parts)), list(parts))
+    return into
 
 
 def _permuted(spec: BucketSpec) -> bool:

@@ -291,9 +291,9 @@ def test_each_bucket_is_packed_as_soon_as_backward_completes_it(single_rank, mon
     events = []
     original = fsync._pack.pack_grads
 
-    def pack_grads(grads, spec):
+    def pack_grads(grads, spec, **kwargs):
         events.append(f"bucket of {spec.numel}")
-        return original(grads, spec)
+        return original(grads, spec, **kwargs)
 
     monkeypatch.setattr(fsync._pack, "pack_grads", pack_grads)
     widths = [6, 7, 8, 9, 10]  # a bucket a layer (each over TINY's 26 floats), sizes apart
@@ -740,9 +740,9 @@ def _on_rank_per_bucket():
     packed, hooks = [], []
     pack, register = fsync._pack.pack_grads, torch.Tensor.register_hook
 
-    def counted_pack(grads, spec):
+    def counted_pack(grads, spec, **kwargs):
         packed.append(len(grads))
-        return pack(grads, spec)
+        return pack(grads, spec, **kwargs)
 
     def counted_register(tensor, hook):
         hooks.append(tensor.shape)
