@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import optree
 import torch
 
-from fsync import _checks, _trace, _tree
+from fsync import _checks, _metas, _trace, _tree
+from fsync._metas import Meta as _Meta
 from fsync._plan import (
     PLAN_CACHE_SIZE,
     BucketPlan,
@@ -89,10 +89,6 @@ class Planned(NamedTuple):
 # where dynamo's Python PyTreeSpec is no constant but a tree of ints is.
 Structure = tuple[str, Any]
 
-# (shape, stride, dtype, device, layout, sparse_dim, requires_grad): a leaf's metadata as
-# plain tuples, which dynamo builds faster than NamedTuples.
-_Meta = tuple[Any, ...]
-
 
 def _flatten(tree: Any, what: str) -> tuple[list[Any], Structure, Callable[[Sequence[Any]], Any]]:
     same = _tree.alike([tree])
@@ -109,45 +105,6 @@ def _flatten(tree: Any, what: str) -> tuple[list[Any], Structure, Callable[[Sequ
     else:
         structure = ("spec", spec)
     return leaves, structure, functools.partial(_tree.unflatten, spec)
-
-
-def _metas(leaves: Sequence[Any]) -> tuple[_Meta | None, ...]:
-    if torch.compiler.is_compiling():
-        return tuple(None if t is None else _meta(t) for t in leaves)
-    # Eagerly, once per leaf and call, where it costs most: one expression, which asks
-    # whether it traces once.
-    strided = torch.strided
-    return tuple(
-        None
-        if t is None
-        else (t.shape, t.stride(), t.dtype, t.device, strided, 0, t.requires_grad)
-        if type(t) is torch.Tensor and t.layout is strided
-        else _meta(t)
-        for t in leaves
-    )
-
-
-def _meta(t: torch.Tensor | SparseLike) -> _Meta:
-    if isinstance(t, SparseLike):
-        return (t.shape, (), t.dtype, t.device, torch.sparse_coo, t.sparse_dim, False)
-    if t.layout == torch.strided:
-        shape, stride = _static(t.shape), _static(t.stride())
-        return (shape, stride, t.dtype, t.device, torch.strided, 0, t.requires_grad)
-    sparse_dim = t.sparse_dim() if t.layout == torch.sparse_coo else 0
-    return (_static(t.shape), (), t.dtype, t.device, t.layout, sparse_dim, t.requires_grad)
-
-
-def _static(sizes: Sequence[int]) -> tuple[int, ...]:
-    """Sizes as Python ints: a plan needs static shapes (every rank must send the same bytes).
-
-    Under ``torch.compile`` a size that changed between calls reaches dynamo
-    symbolic (automatic dynamic shapes); ``operator.index`` specializes it, with a
-    guard, so that each shape compiles with a plan of its own (as ``dynamic=False``
-    compiles), which the ranks then compare. Eagerly the sizes are ints already.
-    """
-    if not torch.compiler.is_compiling():
-        return tuple(sizes)
-    return tuple(operator.index(d) for d in sizes)
 
 
 def _as_meta(meta: _Meta, device: torch.device | None) -> TensorMeta:
@@ -263,11 +220,11 @@ def plan_tree(
     device in the plan (for a tree of meta tensors standing for real ones).
     """
     leaves, structure, rebuild = _flatten(tree, what)
-    metas = _metas(leaves)
     if torch.compiler.is_compiling():
+        metas = _metas.read(leaves)
         plan = _plan_assigned(*_traced_assignment(structure, metas, options, what, device))
     else:
-        plan = _cached_plan(structure, metas, options, what, device)
+        plan = _cached_plan(structure, _metas.of(structure, leaves), options, what, device)
     return Planned(leaves, plan, rebuild)
 
 
@@ -339,9 +296,19 @@ def fit_tree(tree: Any, plan: BucketPlan, /, *, what: str = "grads") -> Planned:
     """Flattens ``tree`` and checks that it fits ``plan`` (``None`` fits any leaf)."""
     leaves, structure, rebuild = _flatten(tree, what)
     kind, value = structure
-    treespec = _tree.structure(value) if kind == "skeleton" else _treespec(structure)
-    _fits(plan, treespec, _metas(leaves), what)
+    if kind == "skeleton":
+        _fits(plan, _tree.structure(value), _metas.read(leaves), what)
+    else:
+        _fitted(plan, structure, _metas.of(structure, leaves), what)
     return Planned(leaves, plan, rebuild)
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _fitted(
+    plan: BucketPlan, structure: Structure, metas: tuple[_Meta | None, ...], what: str
+) -> None:
+    """``_fits`` eagerly, once per tree (a tree that does not fit raises every call)."""
+    _fits(plan, _treespec(structure), metas, what)
 
 
 # --- the public planning functions ----------------------------------------------------------
@@ -482,14 +449,15 @@ def fit_like(
         structure, metas = held_structure, (None,) * len(held_leaves)
     else:
         leaves, structure, _ = _flatten(tree, what)
-        metas = _metas(leaves)
+        metas = _metas.of(structure, leaves)
     device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
     device = device or default_device()
-    held_metas = _metas(held_leaves)
     if torch.compiler.is_compiling():
+        held_metas = _metas.read(held_leaves)
         assignment = _traced_assignment(held_structure, held_metas, options, "tree", device)
         plan = _plan_assigned(*assignment, (structure, metas, what))
     else:
-        plan = _cached_plan(_as_key(held_structure), held_metas, options, "tree", device)
-        _fits(plan, _treespec(_as_key(structure)), metas, what)
+        held_metas = _metas.of(held_structure, held_leaves)
+        plan = _cached_plan(held_structure, held_metas, options, "tree", device)
+        _fitted(plan, structure, metas, what)
     return Planned(leaves, plan, rebuild)
