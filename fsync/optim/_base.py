@@ -161,6 +161,45 @@ def _one_run_alike(p: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
     return dense and all(t.stride() == p.stride() for t in others)
 
 
+# Elements the probe of a fused kernel runs on: more than any vector width, and a remainder.
+PROBED = 257
+
+
+@functools.cache
+def fused_sgd_sound(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch's fused SGD kernel updates every element of ``dtype`` tensors on
+    ``device_type``.
+
+    torch 2.12 and 2.13's CPU kernel does not for float16 and bfloat16: it leaves each
+    whole vector block of a parameter as it was, updates only the remainder, and with
+    momentum writes garbage into the buffer (pytorch/pytorch#191763, fixed by
+    pytorch/pytorch#192545). Probed once per device type and dtype, on values whose
+    every step is exact in any floating point type, so a sound kernel gives them exactly.
+    """
+    if device_type != "cpu" or dtype.itemsize > 2:
+        return True
+    p, g, buf = (torch.ones(PROBED, dtype=dtype) for _ in range(3))
+    torch._fused_sgd_(
+        [p], [g], [buf], weight_decay=0.0, momentum=0.5, lr=0.5, dampening=0.0,
+        nesterov=False, maximize=False, is_first_step=False,
+    )  # fmt: skip
+    return bool((buf == 1.5).all() and (p == 0.25).all())  # buf = 0.5 + 1, p = 1 - 0.5 * 1.5
+
+
+def check_fused_sgd(params: Sequence[Any]) -> None:
+    """Raises unless torch's fused SGD kernel is sound for every parameter's device and dtype."""
+    kinds = {(p.device.type, p.dtype) for p in params if p is not None}
+    for device_type, dtype in sorted(kinds, key=str):
+        if not fused_sgd_sound(device_type, dtype):
+            raise ValueError(
+                f"sgd(fused=True) got {dtype} parameters on {device_type}, where torch "
+                f"{torch.__version__}'s fused SGD kernel gives wrong numbers (it leaves whole "
+                "vector blocks of a float16 or bfloat16 parameter un-updated: "
+                "pytorch/pytorch#191763). Use fused=False (torch.optim's default kernels), "
+                "keep these parameters in float32, or use a torch with that kernel fixed."
+            )
+
+
 def fused_steps(step: torch.Tensor, device: torch.device, count: int) -> list[torch.Tensor]:
     """The step count as torch's fused kernels read it: one float32 tensor per parameter on
     the parameters' device (the CUDA kernels read it as float32; exact below 2**24 updates,

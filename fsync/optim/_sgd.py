@@ -61,14 +61,17 @@ def sgd(
             parameter instead of an operation at a time: the numerics of
             ``torch.optim.SGD(..., fused=True)``. A pure update runs it on copies of the
             parameters and momentum buffers. Under ``torch.compile``, which cannot trace
-            that kernel in torch 2.13, the update is the unfused one, compiled.
+            that kernel in torch 2.13, the update is the unfused one, compiled. Where
+            torch's kernel is known wrong (torch 2.12 and 2.13 on the CPU, for float16
+            and bfloat16 parameters: pytorch/pytorch#191763), an eager update refuses.
 
     Returns:
         An [Optimizer][fsync.optim.Optimizer] whose state is an [SGDState][fsync.optim.SGDState].
 
     Raises:
         ValueError: A hyper-parameter is out of range, or ``nesterov`` is set
-            without momentum or with dampening.
+            without momentum or with dampening; (at update time) ``fused`` is set for
+            parameters where torch's fused kernel is wrong.
         TypeError: ``in_place`` or ``fused`` is not a bool.
 
     Example:
@@ -127,6 +130,7 @@ def sgd(
         starts = eager and bool(first)
         writes = in_place and eager  # torch.optim's in-place kernels on the given tensors
         if fused and eager:  # torch's fused kernel, one pass over each parameter
+            _base.check_fused_sgd(p_leaves)
             rows = zip(p_leaves, g_leaves, buf_leaves, strict=True)
             columns = [(p, g, buf) if momentum else (p, g) for p, g, buf in rows]
             launch = functools.partial(launch_fused, bool(first))
