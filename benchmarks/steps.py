@@ -135,6 +135,7 @@ MODULE_BACKWARD = "module, loss.backward() (no sync)"
 TORCH_FUNC = "torch.func.grad_and_value (no sync)"
 DDP_BACKWARD = "DDP, loss.backward()"
 FSYNC_CALL = "fsync.grad_and_value"
+FSYNC_AFTER_BACKWARD = "module, loss.backward(), fsync.sync_grads"
 DDP_POWERSGD = "DDP + powerSGD_hook, loss.backward()"
 FSYNC_POWERSGD = "GradSync(hook=powersgd(1)).grad_and_value"
 # PowerSGD compresses from this step on in both (DDP's start_powerSGD_iter), rank 1.
@@ -150,6 +151,10 @@ def gradient_call(work: Workload, how: str) -> Callable[[], object]:
     """One gradient call of ``work``, no optimizer: forward, backward and (but for the two
     floors) the sync, as ``how`` names it (one of the names above)."""
     batch = work.batch(dist.get_rank())
+    if how == FSYNC_AFTER_BACKWARD:  # a DDP script's backward, the sync a function of .grad
+        backward = autograd_step(work, work.model, batch)
+        named = list(work.model.named_parameters())
+        return lambda: (backward(), fsync.sync_grads({n: p.grad for n, p in named}))
     if how in (MODULE_BACKWARD, DDP_BACKWARD, DDP_POWERSGD):
         model = work.model if how == MODULE_BACKWARD else DDP(work.model)
         if isinstance(model, DDP) and how == DDP_POWERSGD:

@@ -157,6 +157,35 @@ def own_grads(grads: Sequence[torch.Tensor], plan: BucketPlan) -> list[torch.Ten
     return out
 
 
+def copies(leaves: Sequence[torch.Tensor | None], plan: BucketPlan) -> list[torch.Tensor | None]:
+    """Each dense tensor leaf of ``plan`` (flatten order) copied into memory of its own, laid
+    out as unpacking lays it out (its leaf's memory order, dense): what a sync whose mean
+    is the gradient itself returns (one rank), without a bucket.
+
+    A leaf already dense in that layout is cloned (which keeps its strides); another is
+    copied into a new tensor of that layout.
+    """
+    out: list[torch.Tensor | None] = []
+    for leaf, strides in zip(leaves, _unpacked_strides(plan), strict=True):
+        if leaf is None or strides is None:
+            out.append(None)
+        elif leaf.stride() == strides:
+            out.append(leaf.clone())
+        else:
+            new = torch.empty_strided(leaf.shape, strides, dtype=leaf.dtype, device=leaf.device)
+            out.append(new.copy_(leaf))
+    return out
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _unpacked_strides(plan: BucketPlan) -> tuple[tuple[int, ...] | None, ...]:
+    """Per leaf (flatten order), the strides unpacking gives it; ``None`` for a ``None`` leaf."""
+    return tuple(
+        None if spec is None else like_of_spec(spec).stride()  # type: ignore[union-attr]
+        for spec in plan.leaves
+    )
+
+
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def _orders(plan: BucketPlan) -> tuple[tuple[int, tuple[int, ...] | None], ...]:
     """Per tensor leaf (flatten order): its index, and its memory order unless row-major."""

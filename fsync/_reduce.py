@@ -367,6 +367,8 @@ def sync_tree(grads: Any, options: SyncOptions, group: _comm.Group, *, active: b
         check_sparse_traced(plan)
     except (ValueError, TypeError) as error:
         return refuse(error, group, like=grads)
+    if active and not torch.compiler.is_compiling() and gives_back(options, plan, group):
+        return rebuild(_pack.copies(leaves, plan))  # one rank: the mean is each gradient
     reduced = _reports.naming(
         lambda: reduce(leaves, plan, SyncCall(options, group, state), active=active), group
     )

@@ -17,16 +17,16 @@ from typing import Any, NamedTuple
 import torch
 from typing_extensions import Unpack
 
-from fsync import _checks, _comm, _grad, _planner, _state, _tree
-from fsync._agree import planned, refuse, verify_plan
+from fsync import _checks, _comm, _grad, _pack, _planner, _state, _tree
+from fsync._agree import check_alone, planned, refuse, verify_plan
 from fsync._comm import _reports
 from fsync._hook import Hook
 from fsync._options import OptionKeywords, SyncOptions
 from fsync._plan import BucketPlan
 from fsync._reduce import (
-    Reduced,
     SyncCall,
     check_sparse_traced,
+    gives_back,
     hook_of,
     init_hook,
     reduce,
@@ -226,13 +226,11 @@ class GradSync:
         """
         _checks.check_flag("active", active)
         try:
-            leaves, plan, rebuild = _checked(self, grads, state, active)
+            planned = _checked(self, grads, state, active)
         except (ValueError, TypeError) as error:
             like = (_expected(self, grads, state), state)
             return refuse(error, self.group, like)  # type: ignore[no-any-return]
-        reduced = _reduced(self, leaves, plan, state, active)
-        new_state = state._replace(hook=reduced.hook_state, step=state.step + 1)
-        return rebuild(unpack_reduced(reduced, plan)), new_state
+        return _synced(self, planned, state, active)
 
     def grad_and_value(
         self, fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False
@@ -269,20 +267,23 @@ class GradSync:
         return _grad.stateful(self, self._fit_argument, fn, argnums, has_aux, value=False)
 
 
-def _reduced(
-    sync: GradSync, leaves: list[Any], plan: BucketPlan, state: SyncState, active: bool
-) -> Reduced:
-    """The one reduce at the state's step, a collective that fails in it named."""
-    return _reports.naming(
-        lambda: reduce(
-            leaves,
-            plan,
-            SyncCall.at(sync, state),
-            active=active,
-        ),
+def _synced(
+    sync: GradSync, planned: _planner.Planned, state: SyncState, active: bool
+) -> tuple[Any, SyncState]:
+    """The sync at the state's step and the state after it: with one rank and the default
+    mean, copies of the gradients (nothing to send); else the one reduce, a collective that
+    fails in it named."""
+    leaves, plan, rebuild = planned
+    if active and not torch.compiler.is_compiling() and gives_back(sync.options, plan, sync.group):
+        check_alone(plan, state.fingerprint)
+        return rebuild(_pack.copies(leaves, plan)), state._replace(step=state.step + 1)
+    reduced = _reports.naming(
+        lambda: reduce(leaves, plan, SyncCall.at(sync, state), active=active),
         sync.group,
         step=state.step,
     )
+    new_state = state._replace(hook=reduced.hook_state, step=state.step + 1)
+    return rebuild(unpack_reduced(reduced, plan)), new_state
 
 
 def _checked(sync: GradSync, grads: Any, state: SyncState, active: bool) -> _planner.Planned:

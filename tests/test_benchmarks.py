@@ -181,9 +181,11 @@ def test_smoke_run_writes_every_section(smoke_pages):
     # Each eager call beside its DDP counterpart, on one rank and two.
     host = md.split("## 5. Host cost")[1].split("\n## ")[0]
     assert "world 1: ms" in host and "world 2: ms" in host
-    for name in (steps.FSYNC_CALL, steps.FSYNC_POWERSGD, zero.VALUE_AND_STEP):
+    calls = (steps.FSYNC_CALL, steps.FSYNC_AFTER_BACKWARD, steps.FSYNC_POWERSGD)
+    for name in (*calls, zero.VALUE_AND_STEP):
         assert f"| {name} | " in host and "x [" in host.split(f"| {name} | ")[1]
     assert "fsync.grad_and_value <= 1.00 x DDP" in md
+    assert f"{steps.FSYNC_AFTER_BACKWARD} <= 1.10 x DDP" in md
     for row in (
         run.OVERLAP,
         run.GRAD_AND_VALUE,

@@ -425,3 +425,56 @@ def test_world_size_one_issues_no_collective(world: World):
         reduce = "_c10d_functional::all_reduce_"
         assert ops["GradSync"] == ops["sync_grads"] == ops["inactive"] == [reduce] * 2
         assert ops["find_unused"] == [reduce] * 4
+
+
+def test_one_rank_returns_copies_laid_out_as_the_buckets_give_them(single_rank, monkeypatch):
+    """With one rank the mean is each gradient: ``sync_grads`` copies every leaf into memory
+    of its own, in the layout unpacking gives it (no bucket), the bits and strides of the
+    packed path it stands in for; the caller's tree is left as it was."""
+    g = torch.Generator().manual_seed(0)
+    grads = {
+        "w": torch.randn(6, 5, generator=g),
+        "t": torch.randn(5, 6, generator=g).t(),
+        "conv": torch.randn(4, 3, 2, 2, generator=g).to(memory_format=torch.channels_last),
+        "slice": torch.randn(6, 8, generator=g)[:, ::2],  # not dense: copied densely
+        "broadcast": torch.randn(1, 3, generator=g).expand(4, 3),  # overlapping
+        "odd_stride": torch.randn(1, 5, generator=g).as_strided((1, 5), (7, 1)),
+        "empty": torch.zeros(0, 3),
+        "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+        "none": None,
+    }
+    given = {k: None if v is None else (v.clone(), v.stride()) for k, v in grads.items()}
+    for options in ({}, {"bucket_cap_mb": 1e-4, "first_bucket_mb": 1e-4}):
+        sync = fsync.GradSync(**options)
+        state = sync.init(grads)
+        copied = fsync.sync_grads(grads, **options)
+        stateful, after = sync(grads, state)
+        assert int(after.step) == 1 and after.fingerprint is state.fingerprint
+        with monkeypatch.context() as patch:
+            for module in (fsync._reduce, fsync._sync):
+                patch.setattr(module, "gives_back", lambda *args: False)
+            packed = fsync.sync_grads(grads, **options)
+            reduced, reduced_state = sync(grads, state)
+            assert _same(reduced, stateful) and int(reduced_state.step) == 1
+        for name, leaf in grads.items():
+            if leaf is None:
+                assert copied[name] is None and packed[name] is None
+                continue
+            assert copied[name].stride() == packed[name].stride(), name
+            assert copied[name].dtype == leaf.dtype and torch.equal(copied[name], packed[name])
+            if leaf.numel():
+                assert copied[name].data_ptr() != leaf.data_ptr(), name
+                assert stateful[name].data_ptr() != leaf.data_ptr(), name
+            assert torch.equal(leaf, given[name][0]) and leaf.stride() == given[name][1]
+    storages = [v.data_ptr() for v in copied.values() if v is not None and v.numel()]
+    assert len(set(storages)) == len(storages)  # each its own memory
+
+
+def _same(a, b) -> bool:
+    """Two trees of the same structure with bit-equal tensors of the same strides."""
+    la, lb = fsync._tree.flatten(a)[0], fsync._tree.flatten(b)[0]
+    return len(la) == len(lb) and all(
+        (x is None and y is None)
+        or (x.stride() == y.stride() and x.dtype == y.dtype and torch.equal(x, y))
+        for x, y in zip(la, lb, strict=True)
+    )
