@@ -296,8 +296,9 @@ def fit_tree(tree: Any, plan: BucketPlan, /, *, what: str = "grads") -> Planned:
     """Flattens ``tree`` and checks that it fits ``plan`` (``None`` fits any leaf)."""
     leaves, structure, rebuild = _flatten(tree, what)
     kind, value = structure
-    if kind == "skeleton":
-        _fits(plan, _tree.structure(value), _metas.read(leaves), what)
+    if torch.compiler.is_compiling():  # Python at trace time: no cache for dynamo to trace
+        treespec = _tree.structure(value) if kind == "skeleton" else _treespec(structure)
+        _fits(plan, treespec, _metas.read(leaves), what)
     else:
         _fitted(plan, structure, _metas.of(structure, leaves), what)
     return Planned(leaves, plan, rebuild)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -168,3 +170,20 @@ def test_compiled_pack_unpack_equals_eager():
 
     compiled = torch.compile(round_trip, fullgraph=True)
     _assert_same_tree(compiled(tree), round_trip(tree))
+
+
+def test_compiled_pack_of_a_plain_dict_traces_no_cache():
+    """A plain dict of tensors (the tree most code syncs) is fitted to its plan by Python at
+    trace time: dynamo meets none of the eager call's caches, and says nothing."""
+    tree = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    plan = fsync.plan_buckets(tree)
+
+    def round_trip(t):
+        return fsync.unpack([b * 2 for b in fsync.pack(t, plan)], plan)
+
+    torch._dynamo.utils.warn_once_cache.clear()  # dynamo warns once a process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(round_trip, fullgraph=True)(tree)
+    assert not [w for w in caught if "lru_cache" in str(w.message)], caught
+    _assert_same_tree(got, round_trip(tree))
