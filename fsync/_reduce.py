@@ -154,6 +154,21 @@ def gives_back(options: SyncOptions, plan: BucketPlan, group: _comm.Group) -> bo
     )
 
 
+def copied_back(
+    leaves: Sequence[torch.Tensor | None],
+    plan: BucketPlan,
+    options: SyncOptions,
+    group: _comm.Group,
+    *,
+    active: bool,
+) -> list[torch.Tensor | None] | None:
+    """An eager sync's leaves where it has nothing to send (``gives_back``, this rank active):
+    each gradient copied into memory of its own, never the caller's tensor; else ``None``."""
+    if active and not torch.compiler.is_compiling() and gives_back(options, plan, group):
+        return _pack.copies(leaves, plan)
+    return None
+
+
 def _first_sparse(plan: BucketPlan) -> str | None:
     """The path of the plan's first sparse leaf, ``None`` if it has none."""
     spec = next((spec for spec in plan.specs if spec.sparse), None)
@@ -367,8 +382,9 @@ def sync_tree(grads: Any, options: SyncOptions, group: _comm.Group, *, active: b
         check_sparse_traced(plan)
     except (ValueError, TypeError) as error:
         return refuse(error, group, like=grads)
-    if active and not torch.compiler.is_compiling() and gives_back(options, plan, group):
-        return rebuild(_pack.copies(leaves, plan))  # one rank: the mean is each gradient
+    copies = copied_back(leaves, plan, options, group, active=active)
+    if copies is not None:  # one rank: the mean is each gradient
+        return rebuild(copies)
     reduced = _reports.naming(
         lambda: reduce(leaves, plan, SyncCall(options, group, state), active=active), group
     )

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from typing_extensions import Unpack
 
-from fsync import _checks, _comm, _grad, _pack, _planner, _state, _tree
+from fsync import _checks, _comm, _grad, _planner, _state, _tree
 from fsync._agree import check_alone, planned, refuse, verify_plan
 from fsync._comm import _reports
 from fsync._hook import Hook
@@ -26,7 +26,7 @@ from fsync._plan import BucketPlan
 from fsync._reduce import (
     SyncCall,
     check_sparse_traced,
-    gives_back,
+    copied_back,
     hook_of,
     init_hook,
     reduce,
@@ -274,9 +274,10 @@ def _synced(
     mean, copies of the gradients (nothing to send); else the one reduce, a collective that
     fails in it named."""
     leaves, plan, rebuild = planned
-    if active and not torch.compiler.is_compiling() and gives_back(sync.options, plan, sync.group):
+    copies = copied_back(leaves, plan, sync.options, sync.group, active=active)
+    if copies is not None:
         check_alone(plan, state.fingerprint)
-        return rebuild(_pack.copies(leaves, plan)), state._replace(step=state.step + 1)
+        return rebuild(copies), state._replace(step=state.step + 1)
     reduced = _reports.naming(
         lambda: reduce(leaves, plan, SyncCall.at(sync, state), active=active),
         sync.group,
