@@ -140,6 +140,7 @@ def own_grads(grads: Sequence[torch.Tensor], plan: BucketPlan) -> list[torch.Ten
     """
     out: list[torch.Tensor | None] = [None] * len(plan.leaves)
     roots: set[int] = set()
+    strides = _unpacked_strides(plan)
     for (i, perm), g in zip(_orders(plan), grads, strict=True):
         if g.layout != torch.strided:
             g = g.to_dense()
@@ -150,8 +151,7 @@ def own_grads(grads: Sequence[torch.Tensor], plan: BucketPlan) -> list[torch.Ten
             root = None
         laid_out = g.is_contiguous() if perm is None else g.permute(perm).is_contiguous()
         if root is None or not laid_out or id(root) in roots:
-            spec = plan.leaves[i]
-            g = root = torch.empty_like(like_of_spec(spec), device=g.device).copy_(g)  # type: ignore[arg-type]
+            g = root = _copy_laid_out(g, strides[i])  # type: ignore[arg-type]
         roots.add(id(root))
         out[i] = g
     return out
@@ -172,9 +172,13 @@ def copies(leaves: Sequence[torch.Tensor | None], plan: BucketPlan) -> list[torc
         elif leaf.stride() == strides:
             out.append(leaf.clone())
         else:
-            new = torch.empty_strided(leaf.shape, strides, dtype=leaf.dtype, device=leaf.device)
-            out.append(new.copy_(leaf))
+            out.append(_copy_laid_out(leaf, strides))
     return out
+
+
+def _copy_laid_out(x: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """``x`` copied into a new tensor of its shape, dtype and device, with ``strides``."""
+    return torch.empty_strided(x.shape, strides, dtype=x.dtype, device=x.device).copy_(x)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
