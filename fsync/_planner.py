@@ -295,8 +295,8 @@ def _fits(plan: BucketPlan, treespec: Any, metas: tuple[_Meta | None, ...], what
 def fit_tree(tree: Any, plan: BucketPlan, /, *, what: str = "grads") -> Planned:
     """Flattens ``tree`` and checks that it fits ``plan`` (``None`` fits any leaf)."""
     leaves, structure, rebuild = _flatten(tree, what)
-    kind, value = structure
     if torch.compiler.is_compiling():  # Python at trace time: no cache for dynamo to trace
+        kind, value = structure
         treespec = _tree.structure(value) if kind == "skeleton" else _treespec(structure)
         _fits(plan, treespec, _metas.read(leaves), what)
     else:
